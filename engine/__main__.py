@@ -1,0 +1,129 @@
+"""Command line: `python -m engine ask|check-images|make-tiny ...`. Bad input exits 2 with a one-line error."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .config import DTYPES, SKELETON_DIR, EngineConfig
+
+
+def _progress(fraction: float, message: str) -> None:
+    print(f"[{fraction * 100:3.0f}%] {message}", file=sys.stderr, flush=True)
+
+
+def _stage_table(metrics) -> str:
+    rows = [f"{'stage':<14}{'seconds':>10}"]
+    rows += [f"{name:<14}{seconds:>10.3f}" for name, seconds in metrics.stages.items()]
+    rows.append(f"{'queue wait':<14}{metrics.queue_wait_s:>10.3f}")
+    rows.append(f"{'end to end':<14}{metrics.e2e_s:>10.3f}")
+    rate = f"{metrics.decode_tokens_per_s:.2f}" if metrics.decode_tokens_per_s else "-"
+    ttft = f"{metrics.ttft_s:.3f} s" if metrics.ttft_s is not None else "-"
+    rows.append(
+        f"TTFT {ttft} | decode {rate} tok/s | vision tokens {metrics.vision_tokens} | prompt tokens "
+        f"{metrics.prompt_tokens} | output tokens {metrics.output_tokens}"
+    )
+    gb = 1 << 30
+    rows.append(
+        f"RSS before {metrics.rss_before_bytes / gb:.2f} GiB | peak {metrics.rss_peak_bytes / gb:.2f} GiB | after "
+        f"{metrics.rss_after_bytes / gb:.2f} GiB | weights {metrics.weight_bytes / gb:.2f} GiB"
+        + (" | synthetic weights" if metrics.synthetic else "")
+    )
+    return "\n".join(rows)
+
+
+def cmd_ask(args) -> int:
+    from .engine import Engine
+    from .errors import VlscopeError
+    from .metrics import RequestMetrics
+    from .request import ChatRequest, TextChunk
+
+    try:
+        config = EngineConfig.from_env(
+            model=args.model, dtype=args.dtype, threads=args.threads, max_new_tokens=args.max_new_tokens,
+            db_path=args.db, warmup=False if args.no_warmup else None,
+        )
+    except ValueError as exc:
+        return _fail(exc)
+    try:
+        engine = Engine(config, progress=None if args.json else _progress)
+        request = ChatRequest(prompt=args.prompt, images=tuple(args.image or ()), source="cli",
+                              enhance_for_ocr=args.enhance_for_ocr)
+        answer: list[str] = []
+        out = sys.stderr if args.json else sys.stdout
+        for event in engine.stream(request):
+            if isinstance(event, TextChunk):
+                answer.append(event.text)
+                print(event.text, end="", file=out, flush=True)
+            elif isinstance(event, RequestMetrics):
+                metrics = event
+        print(file=out)
+    except VlscopeError as exc:
+        return _fail(exc)
+    if args.json:
+        record = metrics.to_dict()
+        record["answer"] = "".join(answer)
+        print(json.dumps(record))
+    else:
+        print(_stage_table(metrics))
+    return 0 if metrics.status == "ok" else 1
+
+
+def cmd_check_images(args) -> int:
+    from .images import check_image
+
+    config = EngineConfig.from_env()
+    all_ok = True
+    for name in args.files:
+        verdict = check_image(name, min_pixels=config.min_pixels, max_pixels=config.max_pixels,
+                              max_image_pixels=config.max_image_pixels, max_bytes=config.max_image_bytes)
+        all_ok &= verdict["ok"]
+        print(json.dumps(verdict), flush=True)
+    return 0 if all_ok else 2
+
+
+def cmd_make_tiny(args) -> int:
+    from .model_loading import make_tiny
+
+    path = make_tiny(args.skeleton, args.outdir)
+    print(path)
+    return 0
+
+
+def _fail(exc: BaseException) -> int:
+    print(f"error: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", file=sys.stderr)
+    return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m engine", description="vlscope engine: Qwen3-VL on the CPU")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    ask = commands.add_parser("ask", help="answer one question about images, with a stage table")
+    ask.add_argument("--model", help="hub id, folder with weights, or weightless skeleton folder")
+    ask.add_argument("--image", action="append", help="image file (repeatable)")
+    ask.add_argument("--prompt", required=True)
+    ask.add_argument("--dtype", choices=DTYPES)
+    ask.add_argument("--threads", type=int)
+    ask.add_argument("--max-new-tokens", type=int)
+    ask.add_argument("--db", help="metrics database (default data/vlscope.db)")
+    ask.add_argument("--enhance-for-ocr", action="store_true")
+    ask.add_argument("--no-warmup", action="store_true", help="skip the warm-up request at load")
+    ask.add_argument("--json", action="store_true", help="print the metrics record as JSON (answer on stderr)")
+    ask.set_defaults(run=cmd_ask)
+
+    check = commands.add_parser("check-images", help="print a JSON verdict per image file")
+    check.add_argument("files", nargs="+")
+    check.set_defaults(run=cmd_check_images)
+
+    tiny = commands.add_parser("make-tiny", help="write a tiny Qwen3-VL of the same family for tests")
+    tiny.add_argument("outdir")
+    tiny.add_argument("--skeleton", default=str(SKELETON_DIR))
+    tiny.set_defaults(run=cmd_make_tiny)
+
+    args = parser.parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

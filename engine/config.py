@@ -1,0 +1,98 @@
+"""Runtime settings of the engine: one frozen dataclass, built from arguments and VLSCOPE_* variables."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+PROJECT_DIR = Path(__file__).resolve().parent.parent
+DEFAULT_MODEL = "Qwen/Qwen3-VL-2B-Instruct"
+# The bundled copy of the model's config and tokenizer, without weights: the app falls back to it offline.
+SKELETON_DIR = PROJECT_DIR / "models" / "qwen3-vl-2b-skeleton"
+
+DTYPES = ("float32", "bfloat16", "int8")
+# One vision token covers a 32x32 pixel block (16-pixel patches merged 2x2).
+PIXELS_PER_VISION_TOKEN = 32 * 32
+
+
+def default_threads() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = DEFAULT_MODEL
+    dtype: str = "float32"
+    threads: int = dataclasses.field(default_factory=default_threads)
+    kv_cache: bool = True
+    # Image token budget. The upper bound keeps any single image at or under 1,024 vision tokens.
+    min_pixels: int = 64 * PIXELS_PER_VISION_TOKEN
+    max_pixels: int = 1024 * PIXELS_PER_VISION_TOKEN
+    max_new_tokens: int = 512
+    max_input_tokens: int = 8192
+    temperature: float = 0.0  # 0 means greedy
+    top_p: float = 1.0
+    seed: int = 0
+    warmup: bool = True
+    max_queue: int = 8
+    db_path: str = "data/vlscope.db"
+    store_content: bool = False
+    # Refuse images larger than this before decoding them (decompression bombs).
+    max_image_pixels: int = 64_000_000
+    max_image_bytes: int = 50 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
+        if self.threads < 1:
+            raise ValueError("threads must be at least 1")
+        if not 0 < self.min_pixels <= self.max_pixels:
+            raise ValueError("need 0 < min_pixels <= max_pixels")
+        if self.max_new_tokens < 1 or self.max_input_tokens < 1:
+            raise ValueError("max_new_tokens and max_input_tokens must be at least 1")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise ValueError("need temperature >= 0 and 0 < top_p <= 1")
+        if self.max_queue < 0:
+            raise ValueError("max_queue must be >= 0")
+
+    @property
+    def max_vision_tokens(self) -> int:
+        return self.max_pixels // PIXELS_PER_VISION_TOKEN
+
+    def replace(self, **changes) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides) -> "EngineConfig":
+        """Settings from VLSCOPE_<FIELD> variables (e.g. VLSCOPE_DTYPE=bfloat16); explicit overrides win."""
+        env = os.environ if env is None else env
+        values: dict = {}
+        for field in dataclasses.fields(cls):
+            raw = env.get(f"VLSCOPE_{field.name.upper()}")
+            if raw is None or raw == "":
+                continue
+            values[field.name] = _parse(field.name, raw, field.type)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+
+def _parse(name: str, raw: str, type_name: str):
+    try:
+        if type_name == "bool":
+            if raw.strip().lower() in ("1", "true", "yes", "on"):
+                return True
+            if raw.strip().lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+        if type_name == "int":
+            return int(raw)
+        if type_name == "float":
+            return float(raw)
+        return raw
+    except ValueError:
+        raise ValueError(f"VLSCOPE_{name.upper()}={raw!r} is not a valid {type_name}") from None

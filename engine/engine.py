@@ -1,0 +1,349 @@
+"""The Engine: the model loaded once, a queue in front of it, and one streaming entry point.
+
+    engine = Engine(EngineConfig(model="models/qwen3-vl-2b-skeleton"))
+    for event in engine.stream(ChatRequest(prompt="Describe", images=("cat.png",))):
+        ...  # Queued, StageStarted, TextChunk, and last the RequestMetrics
+"""
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Union
+
+import torch
+from PIL import Image
+
+from .config import EngineConfig
+from .errors import Busy, GenerationFailed, InvalidImage, PromptTooLong, VlscopeError
+from .generate import decode_n_tokens, encode_images, prefill, sample
+from .images import enhance_for_ocr, fit_to_budget, load_image, vision_token_count
+from .metrics import RequestMetrics, RssSampler, current_rss
+from .model_loading import LoadedModel, ProgressCallback, load_model
+from .preprocess import chat_messages, patchify_images, tokenize_prompt
+from .request import ChatRequest, Queued, StageStarted, TextChunk
+from .scheduler import Job, RequestQueue
+from .store import MetricsStore
+
+log = logging.getLogger(__name__)
+
+Event = Union[Queued, StageStarted, TextChunk, RequestMetrics]
+
+
+@dataclass(frozen=True)
+class Answer:
+    text: str
+    metrics: RequestMetrics
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    model: str
+    synthetic: bool
+    dtype: str
+    threads: int
+    weight_bytes: int
+    load_seconds: float
+    context_length: int
+
+
+class Detokenizer:
+    """Turns token ids into text as they arrive, holding back a partial UTF-8 character until it is complete."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.tokens: list[int] = []
+        self.text = ""
+
+    def push(self, token: int) -> str:
+        self.tokens.append(token)
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return ""
+        new, self.text = text[len(self.text):], text
+        return new
+
+
+class RequestHandle:
+    """A submitted request: iterate `events()` for its stream; `cancel()` from any thread stops it."""
+
+    def __init__(self, job: Job):
+        self._job = job
+        self.id = job.id
+
+    def events(self) -> Iterator[Event]:
+        while True:
+            item = self._job.events.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if isinstance(item, RequestMetrics):
+                return
+
+    def cancel(self) -> None:
+        self._job.cancel()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._job.cancelled.is_set()
+
+
+class Engine:
+    def __init__(self, config: EngineConfig | None = None, progress: ProgressCallback | None = None,
+                 store: MetricsStore | None = None):
+        self.config = config or EngineConfig.from_env()
+        report = progress or (lambda fraction, message: None)
+        self.store = store if store is not None else MetricsStore(self.config.db_path)
+        self.loaded: LoadedModel = load_model(self.config, report)
+        text_config = self.loaded.model.config.get_text_config()
+        self.info = EngineInfo(
+            model=self.loaded.name,
+            synthetic=self.loaded.synthetic,
+            dtype=self.config.dtype,
+            threads=self.config.threads,
+            weight_bytes=self.loaded.weight_bytes,
+            load_seconds=self.loaded.load_seconds,
+            context_length=int(text_config.max_position_embeddings),
+        )
+        self._generator = torch.Generator().manual_seed(self.config.seed)
+        self._queue = RequestQueue(self._run, max_waiting=self.config.max_queue)
+        if self.config.warmup:
+            report(0.97, "Warm-up request")
+            self.warm_up()
+        report(1.0, "Ready")
+
+    # ---- public API -------------------------------------------------------------------------------------------
+
+    @property
+    def queue_depth(self) -> int:
+        return self._queue.depth
+
+    def submit(self, request: ChatRequest) -> RequestHandle:
+        """Validate the images and queue the request. Raises InvalidImage or Busy (their metrics are recorded)."""
+        job = Job(uuid.uuid4().hex, request)
+        try:
+            with job.clock.stage("load_images"):
+                job.images = [self._load(source) for turn in request.history for source in turn.images]
+                job.images += [self._load(source) for source in request.images]
+            job.on_cancel = self._on_cancel
+            self._queue.submit(job)
+        except (InvalidImage, Busy) as exc:
+            exc.metrics = self._finish(job, "refused", error=exc)
+            raise
+        return RequestHandle(job)
+
+    def stream(self, request: ChatRequest) -> Iterator[Event]:
+        """Yield Queued, StageStarted and TextChunk events, then the RequestMetrics. Errors raise VlscopeError.
+
+        Closing the generator early (a stop button, a rerun, a dropped connection) cancels the request."""
+        handle = self.submit(request)
+        try:
+            yield from handle.events()
+        finally:
+            handle.cancel()
+
+    def ask(self, request: ChatRequest) -> Answer:
+        """The blocking form: the whole answer and its metrics."""
+        parts: list[str] = []
+        for event in self.stream(request):
+            if isinstance(event, TextChunk):
+                parts.append(event.text)
+            elif isinstance(event, RequestMetrics):
+                return Answer("".join(parts), event)
+        raise GenerationFailed("the request ended without metrics")  # unreachable: events() ends with metrics
+
+    def warm_up(self) -> RequestMetrics:
+        """One short request at load, so the first user request does not pay for first-touch costs."""
+        image = Image.radial_gradient("L").convert("RGB").resize((256, 256))
+        return self.ask(ChatRequest(prompt="Describe this image.", images=(image,), max_new_tokens=4,
+                                    source="warmup", warmup=True)).metrics
+
+    def close(self) -> None:
+        self._queue.close()
+
+    # ---- internals ----------------------------------------------------------------------------------------------
+
+    def _load(self, source):
+        return load_image(source, max_pixels=self.config.max_image_pixels, max_bytes=self.config.max_image_bytes)
+
+    def _on_cancel(self, job: Job) -> None:
+        if self._queue.withdraw(job):  # cancelled while waiting: the worker will never see it
+            job.events.put(self._finish(job, "cancelled"))
+
+    def _run(self, job: Job) -> None:
+        """Worker thread: one request from queue exit to metrics."""
+        queue_wait = time.perf_counter() - job.submitted_perf
+        facts: dict = {"queue_wait_s": queue_wait}
+        result: BaseException | None = None
+        status = "ok"
+        with torch.inference_mode(), RssSampler() as rss:
+            try:
+                if job.cancelled.is_set():
+                    status = "cancelled"
+                else:
+                    status = self._generate(job, facts)
+            except VlscopeError as exc:
+                status, result = ("refused" if isinstance(exc, PromptTooLong) else "error"), exc
+            except Exception as exc:
+                log.exception("request %s failed", job.id)
+                result = GenerationFailed(f"generation failed: {type(exc).__name__}: {exc}")
+                status = "error"
+        facts.update(rss_before_bytes=rss.before, rss_peak_bytes=rss.peak, rss_after_bytes=rss.after)
+        metrics = self._finish(job, status, error=result, **facts)
+        if result is not None:
+            result.metrics = metrics
+            job.events.put(result)
+        else:
+            job.events.put(metrics)
+
+    def _generate(self, job: Job, facts: dict) -> str:
+        request, config, loaded = job.request, self.config, self.loaded
+        model, emit = loaded.model, job.events.put
+        pictures = [image.image for image in job.images]
+        if request.enhance_for_ocr and pictures:
+            emit(StageStarted("ocr_enhance"))
+            with job.clock.stage("ocr_enhance"):
+                pictures = [enhance_for_ocr(picture) for picture in pictures]
+
+        emit(StageStarted("preprocess"))
+        max_new_tokens = request.max_new_tokens or config.max_new_tokens
+        with job.clock.stage("preprocess"):
+            sizes = [fit_to_budget(*picture.size, config.min_pixels, config.max_pixels) for picture in pictures]
+            image_counts = [len(turn.images) for turn in request.history if turn.role == "user"]
+            messages = chat_messages(request.history, request.prompt, image_counts + [len(request.images)])
+            prompt = tokenize_prompt(loaded.tokenizer, messages, sizes, loaded.image_token_id)
+            prompt_tokens = prompt.input_ids.shape[1]
+            facts.update(resized_sizes=tuple(sizes), vision_tokens=sum(vision_token_count(s) for s in sizes),
+                         prompt_tokens=prompt_tokens)
+            self._check_length(prompt_tokens, max_new_tokens)
+            patches = patchify_images(loaded.image_processor, pictures, sizes) if pictures else None
+
+        vision = None
+        if patches is not None:
+            emit(StageStarted("vision_encode"))
+            with job.clock.stage("vision_encode"):
+                vision = encode_images(model, patches)
+        if job.cancelled.is_set():
+            return "cancelled"
+
+        emit(StageStarted("prefill"))
+        sampling = (
+            config.temperature if request.temperature is None else request.temperature,
+            config.top_p if request.top_p is None else request.top_p,
+            self._generator,
+        )
+        with job.clock.stage("prefill"):
+            logits, state = prefill(model, prompt, vision, patches.image_grid_thw if patches else None, config.kv_cache)
+            token = sample(logits, *sampling)
+
+        detokenizer = Detokenizer(loaded.tokenizer)
+        stop_ids = set(loaded.eos_token_ids)
+        latencies: list[float] = []
+        output_tokens = 0
+
+        def take(token: int) -> None:
+            nonlocal output_tokens
+            output_tokens += 1
+            with job.clock.stage("detokenize"):
+                text = detokenizer.push(token)
+            if "ttft_s" not in facts:
+                facts["ttft_s"] = time.perf_counter() - job.submitted_perf
+            if text:
+                emit(TextChunk(text))
+
+        if token not in stop_ids:
+            take(token)
+            emit(StageStarted("decode"))
+            steps = decode_n_tokens(model, state, token, max_new_tokens - 1, sampling, stop_ids, job.cancelled.is_set)
+            while True:
+                started = time.perf_counter()
+                token = next(steps, None)
+                if token is None:
+                    break
+                step = time.perf_counter() - started
+                latencies.append(step)
+                job.clock.add("decode", step)
+                if token in stop_ids:
+                    break
+                take(token)
+        else:
+            facts["ttft_s"] = time.perf_counter() - job.submitted_perf
+
+        decode_seconds = sum(latencies)
+        facts.update(
+            output_tokens=output_tokens,
+            token_latencies_s=tuple(latencies),
+            decode_tokens_per_s=(len(latencies) / decode_seconds) if decode_seconds > 0 else None,
+            answer=detokenizer.text,
+        )
+        return "cancelled" if job.cancelled.is_set() else "ok"
+
+    def _check_length(self, prompt_tokens: int, max_new_tokens: int) -> None:
+        if prompt_tokens > self.config.max_input_tokens:
+            raise PromptTooLong(
+                f"The prompt is {prompt_tokens} tokens (text, earlier turns and images); the limit is "
+                f"{self.config.max_input_tokens}. Shorten the conversation, use fewer or smaller images, "
+                "or lower the image token budget."
+            )
+        if prompt_tokens + max_new_tokens > self.info.context_length:
+            raise PromptTooLong(
+                f"The prompt ({prompt_tokens} tokens) plus {max_new_tokens} new tokens exceeds the model's context "
+                f"of {self.info.context_length} tokens."
+            )
+
+    def _finish(self, job: Job, status: str, error: BaseException | None = None, **facts) -> RequestMetrics:
+        """Build the request's metrics record, persist it, and return it."""
+        config, request = self.config, job.request
+        stages = dict(job.clock.seconds)
+        e2e = time.perf_counter() - job.submitted_perf
+        answer = facts.pop("answer", None)
+        if "rss_before_bytes" not in facts:
+            rss = current_rss()
+            facts.update(rss_before_bytes=rss, rss_peak_bytes=rss, rss_after_bytes=rss)
+        facts.setdefault("resized_sizes", tuple(fit_to_budget(*i.image.size, config.min_pixels, config.max_pixels)
+                                                for i in job.images))
+        loaded = getattr(self, "loaded", None)
+        metrics = RequestMetrics(
+            id=job.id,
+            status=status,
+            source=request.source,
+            warmup=request.warmup,
+            submitted_at=job.submitted_at,
+            finished_at=time.time(),
+            model=loaded.name if loaded else config.model,
+            synthetic=loaded.synthetic if loaded else False,
+            dtype=config.dtype,
+            threads=config.threads,
+            kv_cache=config.kv_cache,
+            min_pixels=config.min_pixels,
+            max_pixels=config.max_pixels,
+            max_new_tokens=request.max_new_tokens or config.max_new_tokens,
+            temperature=config.temperature if request.temperature is None else request.temperature,
+            top_p=config.top_p if request.top_p is None else request.top_p,
+            image_sizes=tuple(image.original_size for image in job.images),
+            stages=stages,
+            e2e_s=e2e,
+            weight_bytes=loaded.weight_bytes if loaded else 0,
+            error_type=getattr(error, "kind", None) if error is not None else None,
+            error=str(error) if error is not None else None,
+            prompt=request.prompt if config.store_content else None,
+            answer=answer if config.store_content else None,
+            **facts,
+        )
+        if config.store_content:
+            self._save_images(job)
+        self.store.add(metrics)
+        return metrics
+
+    def _save_images(self, job: Job) -> None:
+        folder = Path(self.config.db_path).parent / "images"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            for image in job.images:
+                target = folder / f"{image.sha256}.png"
+                if not target.exists():
+                    image.image.save(target)
+        except OSError as exc:
+            log.error("could not save request images: %s", exc)

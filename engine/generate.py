@@ -1,0 +1,120 @@
+"""The model's stages, one function each, in the order a request meets them:
+encode_images -> prefill -> decode_one_token (repeated by decode_n_tokens) -> sample.
+
+Positions are built here rather than left to the model, so no state is kept inside the model between calls.
+Qwen3-VL's rotary positions have four rows: the plain text position, then the 3D (time, height, width) ones.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from .preprocess import ImagePatches, PromptTokens
+
+
+@dataclass
+class DecodeState:
+    cache: DynamicCache | None  # None when the KV cache is off: every step re-reads the whole sequence
+    rope_delta: int  # 3D position minus text position after the prompt
+    tokens: torch.Tensor  # (1, n) every token so far, prompt included
+    positions: torch.Tensor  # (4, 1, n) rotary positions of every token so far
+    vision: object = None  # encoder outputs, kept for cache-less steps
+    mm_token_type_ids: torch.Tensor | None = None
+    image_grid_thw: torch.Tensor | None = None
+    generated: list[int] = field(default_factory=list)
+
+
+def encode_images(model, patches: ImagePatches):
+    """Vision tower: patches -> one embedding per vision token, plus the deepstack features for early LM layers."""
+    return model.model.get_image_features(patches.pixel_values, patches.image_grid_thw, return_dict=True)
+
+
+def prompt_positions(model, prompt: PromptTokens, image_grid_thw: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+    spatial, delta = model.model.get_rope_index(
+        prompt.input_ids, mm_token_type_ids=prompt.mm_token_type_ids, image_grid_thw=image_grid_thw
+    )
+    length = prompt.input_ids.shape[1]
+    text = torch.arange(length, dtype=spatial.dtype).view(1, 1, -1)
+    return torch.cat([text, spatial], dim=0), int(delta.view(-1)[0])
+
+
+def next_positions(text_position: int, rope_delta: int, count: int = 1) -> torch.Tensor:
+    text = torch.arange(text_position, text_position + count).view(1, 1, -1)
+    return torch.cat([text, (text + rope_delta).expand(3, 1, -1)], dim=0)
+
+
+def prefill(model, prompt: PromptTokens, vision, image_grid_thw, use_cache: bool) -> tuple[torch.Tensor, DecodeState]:
+    """The language model over the whole prompt; returns the logits of the last position and the decode state."""
+    positions, rope_delta = prompt_positions(model, prompt, image_grid_thw)
+    cache = DynamicCache(config=model.config.get_text_config()) if use_cache else None
+    output = model(
+        input_ids=prompt.input_ids,
+        position_ids=positions,
+        cache=cache,
+        use_cache=use_cache,
+        mm_token_type_ids=prompt.mm_token_type_ids,
+        image_grid_thw=image_grid_thw,
+        mm_encoder_outputs={"image": vision} if vision is not None else None,
+        logits_to_keep=1,
+    )
+    state = DecodeState(
+        cache=cache,
+        rope_delta=rope_delta,
+        tokens=prompt.input_ids,
+        positions=positions,
+        vision=None if use_cache else vision,
+        mm_token_type_ids=None if use_cache else prompt.mm_token_type_ids,
+        image_grid_thw=None if use_cache else image_grid_thw,
+    )
+    return output.logits[:, -1, :], state
+
+
+def decode_one_token(model, state: DecodeState, token: int) -> torch.Tensor:
+    """Feed one new token; returns the next logits. Without a cache, the whole sequence runs again."""
+    position = state.tokens.shape[1]
+    new_token = torch.tensor([[token]], dtype=state.tokens.dtype)
+    new_positions = next_positions(position, state.rope_delta)
+    state.tokens = torch.cat([state.tokens, new_token], dim=1)
+    state.positions = torch.cat([state.positions, new_positions], dim=2)
+    if state.cache is not None:
+        output = model(input_ids=new_token, position_ids=new_positions, cache=state.cache, use_cache=True)
+    else:
+        state.mm_token_type_ids = torch.cat([state.mm_token_type_ids, torch.zeros_like(new_token, dtype=torch.int32)], 1)
+        output = model(
+            input_ids=state.tokens,
+            position_ids=state.positions,
+            use_cache=False,
+            mm_token_type_ids=state.mm_token_type_ids,
+            image_grid_thw=state.image_grid_thw,
+            mm_encoder_outputs={"image": state.vision} if state.vision is not None else None,
+            logits_to_keep=1,
+        )
+    return output.logits[:, -1, :]
+
+
+def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
+    """Greedy when temperature is 0, else temperature and nucleus (top-p) sampling."""
+    logits = torch.nan_to_num(logits[0].float(), nan=-1e9, posinf=1e9, neginf=-1e9)
+    if temperature <= 0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < top_p
+        sorted_probs = sorted_probs * keep
+        choice = torch.multinomial(sorted_probs / sorted_probs.sum(), 1, generator=generator)
+        return int(order[choice])
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def decode_n_tokens(model, state: DecodeState, first_token: int, count: int, sampling, stop_ids, should_stop):
+    """Yield up to `count` tokens after first_token, one decode step each; stops on an end token or should_stop()."""
+    token = first_token
+    for _ in range(count):
+        if token in stop_ids or should_stop():
+            return
+        logits = decode_one_token(model, state, token)
+        token = sample(logits, *sampling)
+        yield token

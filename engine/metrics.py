@@ -1,0 +1,125 @@
+"""What one request cost: a frozen record, filled at stage boundaries, plus the RSS sampler that watches memory."""
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from dataclasses import dataclass, field
+
+import psutil
+
+# Stage names in the order a request meets them. Every stage is timed apart; their sum never exceeds e2e_s.
+STAGES = ("load_images", "ocr_enhance", "preprocess", "vision_encode", "prefill", "decode", "detokenize")
+STATUSES = ("ok", "cancelled", "error", "refused")
+
+
+@dataclass(frozen=True)
+class RequestMetrics:
+    id: str
+    status: str  # ok | cancelled | error | refused (bad input or busy, before any model compute)
+    source: str
+    warmup: bool
+    submitted_at: float  # unix time
+    finished_at: float
+    # settings snapshot
+    model: str
+    synthetic: bool
+    dtype: str
+    threads: int
+    kv_cache: bool
+    min_pixels: int
+    max_pixels: int
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    # what was processed
+    image_sizes: tuple[tuple[int, int], ...] = ()
+    resized_sizes: tuple[tuple[int, int], ...] = ()
+    vision_tokens: int = 0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    # time, seconds
+    queue_wait_s: float = 0.0
+    stages: dict = field(default_factory=dict)  # stage name -> seconds, only stages that ran
+    token_latencies_s: tuple[float, ...] = ()  # every decode step after the first token
+    ttft_s: float | None = None  # submission to first token text
+    decode_tokens_per_s: float | None = None
+    e2e_s: float = 0.0
+    # memory, bytes
+    rss_before_bytes: int = 0
+    rss_peak_bytes: int = 0
+    rss_after_bytes: int = 0
+    weight_bytes: int = 0
+    error_type: str | None = None
+    error: str | None = None
+    prompt: str | None = None  # only when storing content is on
+    answer: str | None = None
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "RequestMetrics":
+        names = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in data.items() if k in names}
+        for key in ("image_sizes", "resized_sizes"):
+            values[key] = tuple(tuple(size) for size in values.get(key, ()))
+        values["token_latencies_s"] = tuple(values.get("token_latencies_s", ()))
+        return cls(**values)
+
+
+def current_rss() -> int:
+    return psutil.Process().memory_info().rss
+
+
+class RssSampler:
+    """Samples this process's RSS in a background thread while a request runs, to catch the peak between stages."""
+
+    def __init__(self, interval_s: float = 0.005):
+        self.interval_s = interval_s
+        self.process = psutil.Process()
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="vlscope-rss", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.process.memory_info().rss)
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self) -> "RssSampler":
+        self.before = self.process.memory_info().rss
+        self.peak = self.before
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.after = self.process.memory_info().rss
+        self.peak = max(self.peak, self.after)
+
+
+class StageClock:
+    """Accumulates seconds per stage; `with clock.stage("prefill"):` times one stage boundary to boundary."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    def stage(self, name: str):
+        return _Timing(self, name)
+
+    def add(self, name: str, seconds: float) -> None:
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+
+
+class _Timing:
+    def __init__(self, clock: StageClock, name: str):
+        self.clock, self.name = clock, name
+
+    def __enter__(self):
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.clock.add(self.name, time.perf_counter() - self.start)

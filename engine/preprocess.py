@@ -1,0 +1,65 @@
+"""From a conversation to model inputs: chat template, token ids with image placeholders, normalised patches."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from PIL import Image
+
+from .images import vision_token_count
+
+
+@dataclass
+class PromptTokens:
+    input_ids: torch.Tensor  # (1, L) with one image_token_id per vision token
+    mm_token_type_ids: torch.Tensor  # (1, L): 1 where a vision token sits, 0 for text
+
+
+@dataclass
+class ImagePatches:
+    pixel_values: torch.Tensor  # (patches, 3 * 2 * 16 * 16)
+    image_grid_thw: torch.Tensor  # (images, 3) in 16-pixel patches
+
+
+def chat_messages(history, prompt: str, image_counts: list[int]) -> list[dict]:
+    """OpenAI-style messages for the chat template. image_counts gives, per user turn in order, its image count."""
+    messages = []
+    counts = iter(image_counts)
+    for turn in history:
+        if turn.role == "user":
+            content = [{"type": "image"}] * next(counts) + [{"type": "text", "text": turn.text}]
+        else:
+            content = [{"type": "text", "text": turn.text}]
+        messages.append({"role": turn.role, "content": content})
+    messages.append({"role": "user", "content": [{"type": "image"}] * next(counts) + [{"type": "text", "text": prompt}]})
+    return messages
+
+
+def tokenize_prompt(tokenizer, messages: list[dict], resized_sizes: list[tuple[int, int]], image_token_id: int) -> PromptTokens:
+    """Apply the chat template, then widen each image placeholder to that image's number of vision tokens.
+
+    Widening in id space (not by repeating the placeholder string) keeps tokenization cost independent of image size.
+    """
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
+    placeholder_positions = np.flatnonzero(ids == image_token_id)
+    if len(placeholder_positions) != len(resized_sizes):
+        raise ValueError(
+            f"prompt has {len(placeholder_positions)} image placeholders for {len(resized_sizes)} images"
+        )
+    repeats = np.ones(len(ids), dtype=np.int64)
+    repeats[placeholder_positions] = [vision_token_count(size) for size in resized_sizes]
+    expanded = np.repeat(ids, repeats)
+    input_ids = torch.from_numpy(expanded).unsqueeze(0)
+    return PromptTokens(input_ids=input_ids, mm_token_type_ids=(input_ids == image_token_id).to(torch.int32))
+
+
+def patchify_images(image_processor, images: list[Image.Image], resized_sizes: list[tuple[int, int]]) -> ImagePatches:
+    """Resize with PIL (C, on uint8) to the budgeted sizes, then normalise and cut into patches in one numpy pass."""
+    resized = [
+        image if image.size == size else image.resize(size, resample=Image.BICUBIC)
+        for image, size in zip(images, resized_sizes)
+    ]
+    features = image_processor(images=resized, do_resize=False, return_tensors="pt")
+    return ImagePatches(pixel_values=features["pixel_values"], image_grid_thw=features["image_grid_thw"])

@@ -1,0 +1,55 @@
+"""What a caller sends (ChatRequest) and the small typed events a request's stream yields before its metrics."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Union
+
+# A path, raw bytes, or a PIL image.
+ImageSource = Union[str, Path, bytes, Any]
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One earlier message of a conversation. User turns may carry the images they were about."""
+
+    role: str  # "user" or "assistant"
+    text: str
+    images: tuple[ImageSource, ...] = ()
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    prompt: str
+    images: tuple[ImageSource, ...] = ()
+    history: tuple[Turn, ...] = ()
+    max_new_tokens: int | None = None  # None: the engine's setting
+    temperature: float | None = None
+    top_p: float | None = None
+    enhance_for_ocr: bool = False
+    source: str = "python"  # who asked: cli, app, api, bench...
+    warmup: bool = False
+
+    def __post_init__(self) -> None:
+        for turn in self.history:
+            if turn.role not in ("user", "assistant"):
+                raise ValueError(f"turn role must be 'user' or 'assistant', not {turn.role!r}")
+
+
+@dataclass(frozen=True)
+class Queued:
+    """The request waits; `position` requests are ahead of it (0: it runs next)."""
+
+    position: int
+
+
+@dataclass(frozen=True)
+class StageStarted:
+    """A stage of the request begins: lets a UI say what the CPU is busy with."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class TextChunk:
+    text: str

@@ -1,0 +1,155 @@
+"""Every request's metrics in an embedded SQLite database: WAL, versioned schema, safe across threads and processes."""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import logging
+import os
+import sqlite3
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .metrics import STAGES, RequestMetrics
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS requests (
+    id TEXT PRIMARY KEY,
+    submitted_at REAL NOT NULL,
+    finished_at REAL NOT NULL,
+    status TEXT NOT NULL,
+    source TEXT NOT NULL,
+    warmup INTEGER NOT NULL,
+    model TEXT NOT NULL,
+    synthetic INTEGER NOT NULL,
+    dtype TEXT NOT NULL,
+    threads INTEGER NOT NULL,
+    ttft_s REAL,
+    decode_tokens_per_s REAL,
+    e2e_s REAL NOT NULL,
+    rss_peak_bytes INTEGER NOT NULL,
+    record TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS requests_by_time ON requests (submitted_at);
+"""
+CSV_COLUMNS = (
+    "id", "status", "source", "warmup", "submitted_at", "model", "synthetic", "dtype", "threads", "kv_cache",
+    "vision_tokens", "prompt_tokens", "output_tokens", "queue_wait_s", "ttft_s", "decode_tokens_per_s", "e2e_s",
+    "rss_before_bytes", "rss_peak_bytes", "rss_after_bytes", "weight_bytes", "error_type", "error",
+)
+
+
+class MetricsStore:
+    """One connection per thread; writers wait on each other through SQLite's busy timeout, readers never block."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.last_error: str | None = None  # the latest write failure, for the UI to show
+        self._local = threading.local()
+        if str(self.path) != ":memory:":
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if not self.path.exists():
+                # Owner-only from the first byte: records can hold prompts and answers when content storing is on.
+                os.close(os.open(self.path, os.O_CREAT | os.O_WRONLY, 0o600))
+        connection = self._connection()
+        version = connection.execute("PRAGMA user_version").fetchone()[0]
+        if version > SCHEMA_VERSION:
+            raise RuntimeError(
+                f"{self.path} has schema version {version}; this vlscope reads up to {SCHEMA_VERSION}. Upgrade vlscope."
+            )
+        with connection:
+            connection.executescript(SCHEMA)
+            connection.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+
+    def _connection(self) -> sqlite3.Connection:
+        connection = getattr(self._local, "connection", None)
+        if connection is None:
+            connection = sqlite3.connect(self.path, timeout=10.0, isolation_level=None, check_same_thread=True)
+            connection.execute("PRAGMA journal_mode=WAL")
+            connection.execute("PRAGMA synchronous=NORMAL")
+            self._local.connection = connection
+        return connection
+
+    def add(self, metrics: RequestMetrics) -> bool:
+        """Write one record (or replace it, by id). A failure is logged and kept in last_error, never raised:
+        an answer must not be lost because its bookkeeping failed."""
+        record = metrics.to_dict()
+        try:
+            self._connection().execute(
+                "INSERT OR REPLACE INTO requests VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                (
+                    metrics.id, metrics.submitted_at, metrics.finished_at, metrics.status, metrics.source,
+                    int(metrics.warmup), metrics.model, int(metrics.synthetic), metrics.dtype, metrics.threads,
+                    metrics.ttft_s, metrics.decode_tokens_per_s, metrics.e2e_s, metrics.rss_peak_bytes,
+                    json.dumps(record),
+                ),
+            )
+        except sqlite3.Error as exc:
+            self.last_error = f"could not write metrics to {self.path}: {exc}"
+            log.error(self.last_error)
+            return False
+        self.last_error = None
+        return True
+
+    def _select(self, where: str = "", params: tuple = (), limit: int | None = None) -> list[RequestMetrics]:
+        sql = f"SELECT record FROM requests {where} ORDER BY submitted_at DESC"
+        if limit is not None:
+            sql += f" LIMIT {int(limit)}"
+        rows = self._connection().execute(sql, params).fetchall()
+        return [RequestMetrics.from_dict(json.loads(row[0])) for row in rows]
+
+    def get(self, request_id: str) -> RequestMetrics | None:
+        found = self._select("WHERE id = ?", (request_id,))
+        return found[0] if found else None
+
+    def recent(self, n: int = 100, include_warmup: bool = True) -> list[RequestMetrics]:
+        """The newest n records, newest first."""
+        return self._select("" if include_warmup else "WHERE warmup = 0", limit=n)
+
+    def between(self, since: float, until: float | None = None, include_warmup: bool = True) -> list[RequestMetrics]:
+        """Records submitted in [since, until] (unix seconds), newest first."""
+        until = time.time() if until is None else until
+        where = "WHERE submitted_at BETWEEN ? AND ?" + ("" if include_warmup else " AND warmup = 0")
+        return self._select(where, (since, until))
+
+    def count(self) -> int:
+        return self._connection().execute("SELECT COUNT(*) FROM requests").fetchone()[0]
+
+    def close(self) -> None:
+        connection = getattr(self._local, "connection", None)
+        if connection is not None:
+            connection.close()
+            self._local.connection = None
+
+
+def stage_percentiles(records: list[RequestMetrics], percentiles=(50, 95)) -> dict[str, dict[int, float]]:
+    """Per stage (plus ttft and e2e): the requested percentiles over the records where the stage ran."""
+    series: dict[str, list[float]] = {}
+    for record in records:
+        for name, seconds in record.stages.items():
+            series.setdefault(name, []).append(seconds)
+        if record.ttft_s is not None:
+            series.setdefault("ttft", []).append(record.ttft_s)
+        series.setdefault("e2e", []).append(record.e2e_s)
+    order = {name: i for i, name in enumerate(STAGES + ("ttft", "e2e"))}
+    return {
+        name: {p: float(np.percentile(values, p)) for p in percentiles}
+        for name, values in sorted(series.items(), key=lambda item: order.get(item[0], len(order)))
+    }
+
+
+def to_csv(records: list[RequestMetrics]) -> str:
+    """One row per request: the main figures plus one column per stage."""
+    buffer = io.StringIO()
+    writer = csv.writer(buffer)
+    writer.writerow(CSV_COLUMNS + tuple(f"stage_{name}_s" for name in STAGES))
+    for record in records:
+        data = record.to_dict()
+        writer.writerow([data[c] for c in CSV_COLUMNS] + [record.stages.get(name, "") for name in STAGES])
+    return buffer.getvalue()
