@@ -93,7 +93,9 @@ def load_image(source, *, max_pixels: int, max_bytes: int) -> LoadedImage:
     except UnidentifiedImageError:
         raise InvalidImage(f"{name}: not an image, or a format that cannot be read") from None
     except Image.DecompressionBombError:
-        raise InvalidImage(f"{name}: too many pixels (decompression bomb protection)") from None
+        # Pillow's own guard fired while reading the header: same verdict as ours.
+        raise InvalidImage(f"{name}: the image declares too many pixels, over the "
+                           f"{max_pixels / 1e6:.0f} megapixel limit") from None
     except (OSError, SyntaxError, ValueError, EOFError, IndexError, TypeError, KeyError) as exc:
         raise InvalidImage(f"{name}: the image data is truncated or corrupt ({exc})") from None
     except MemoryError:

@@ -39,6 +39,7 @@ class RequestMetrics:
     prompt_tokens: int = 0
     output_tokens: int = 0
     # time, seconds
+    started_at: float | None = None  # unix time the worker took it; None if it never ran
     queue_wait_s: float = 0.0
     stages: dict = field(default_factory=dict)  # stage name -> seconds, only stages that ran
     token_latencies_s: tuple[float, ...] = ()  # every decode step after the first token

@@ -1,0 +1,65 @@
+"""Shared fixtures: a tiny Qwen3-VL built once per session from the bundled skeleton, and engines over it."""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from engine import Engine, EngineConfig  # noqa: E402
+from engine.config import SKELETON_DIR  # noqa: E402
+from engine.model_loading import make_tiny  # noqa: E402
+
+# Real photos and scans beside the checkout (../shared/images), or where VLSCOPE_SHARED points.
+SHARED = Path(os.environ.get("VLSCOPE_SHARED", ROOT.parent / "shared"))
+IMAGES = SHARED / "images"
+FULL_SKELETON = SHARED / "qwen3-vl-2b" if (SHARED / "qwen3-vl-2b").is_dir() else SKELETON_DIR
+
+
+@pytest.fixture(scope="session")
+def images_dir() -> Path:
+    if not IMAGES.is_dir():
+        pytest.fail(f"sample images not found at {IMAGES}; set VLSCOPE_SHARED to the shared folder")
+    return IMAGES
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    return make_tiny(SKELETON_DIR, tmp_path_factory.mktemp("tiny-qwen3-vl"))
+
+
+@pytest.fixture(scope="session")
+def tiny_skeleton(tiny_model, tmp_path_factory) -> Path:
+    """The tiny model's folder without its weight file: loads as synthetic."""
+    folder = tmp_path_factory.mktemp("tiny-skeleton")
+    for item in tiny_model.iterdir():
+        if item.suffix != ".safetensors":
+            shutil.copyfile(item, folder / item.name)
+    return folder
+
+
+@pytest.fixture
+def make_engine(tiny_model, tmp_path):
+    """Build engines on the tiny model with a per-test database; closes them after the test."""
+    engines = []
+
+    def build(**overrides) -> Engine:
+        settings = dict(model=str(tiny_model), db_path=str(tmp_path / "metrics.db"), warmup=False)
+        settings.update(overrides)
+        engine = Engine(EngineConfig(**settings))
+        engines.append(engine)
+        return engine
+
+    yield build
+    for engine in engines:
+        engine.close()
+
+
+@pytest.fixture
+def engine(make_engine) -> Engine:
+    return make_engine()

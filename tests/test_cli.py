@@ -1,0 +1,50 @@
+"""`python -m engine ask` as users and the acceptance checks call it."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from .conftest import FULL_SKELETON, ROOT
+
+REQUIRED = ("ttft_s", "decode_tokens_per_s", "e2e_s", "vision_tokens", "prompt_tokens", "output_tokens", "stages",
+            "rss_before_bytes", "rss_peak_bytes", "rss_after_bytes", "synthetic", "status")
+
+
+def ask(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "engine", "ask", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_ask_json_on_tiny_model(tiny_model, images_dir, tmp_path):
+    run = ask("--model", str(tiny_model), "--image", str(images_dir / "page.png"), "--prompt", "Read the text",
+              "--max-new-tokens", "8", "--json", "--db", str(tmp_path / "m.db"))
+    assert run.returncode == 0, run.stderr
+    record = json.loads(run.stdout)
+    assert all(key in record for key in REQUIRED)
+    assert set(record["stages"]) >= {"load_images", "preprocess", "vision_encode", "prefill", "decode", "detokenize"}
+    assert record["status"] == "ok" and record["output_tokens"] == 8 and record["synthetic"] is False
+
+
+def test_ask_table_and_bad_input(tiny_model, tmp_path):
+    run = ask("--model", str(tiny_model), "--prompt", "Hi", "--max-new-tokens", "3", "--db", str(tmp_path / "m.db"))
+    assert run.returncode == 0 and "prefill" in run.stdout and "TTFT" in run.stdout
+    bad = tmp_path / "x.png"
+    bad.write_bytes(b"GIF89a broken")
+    run = ask("--model", str(tiny_model), "--image", str(bad), "--prompt", "Hi", "--db", str(tmp_path / "m.db"))
+    assert run.returncode == 2
+    assert run.stderr.strip().splitlines()[-1].startswith("error: x.png:")
+    run = ask("--model", str(tmp_path / "missing"), "--prompt", "Hi", "--db", str(tmp_path / "m.db"))
+    assert run.returncode == 2 and "does not exist" in run.stderr
+    assert "Traceback" not in run.stderr
+
+
+def test_full_size_architecture_with_synthetic_weights(images_dir, tmp_path):
+    """The real 2B shapes on this CPU: the acceptance command of the engine issue, with fewer tokens."""
+    run = ask("--model", str(FULL_SKELETON), "--image", str(images_dir / "coffee.png"), "--prompt", "Describe",
+              "--max-new-tokens", "4", "--json", "--no-warmup", "--db", str(tmp_path / "m.db"), timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    record = json.loads(run.stdout)
+    assert record["synthetic"] is True and record["status"] == "ok" and record["output_tokens"] == 4
+    assert record["weight_bytes"] > 8e9  # 2.4B float32 parameters
+    assert record["vision_tokens"] == 228 and record["stages"]["vision_encode"] > 0

@@ -1,0 +1,234 @@
+"""The engine on a tiny Qwen3-VL: correct tokens, complete metrics, cancels, the queue, and the stores."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from engine import (Busy, ChatRequest, Engine, EngineConfig, InvalidImage, MetricsStore, ModelUnavailable,
+                    PromptTooLong, Queued, RequestMetrics, StageStarted, TextChunk, Turn)
+from engine.generate import decode_n_tokens, encode_images, prefill, sample
+from engine.images import fit_to_budget, load_image
+from engine.model_loading import load_model
+from engine.preprocess import chat_messages, patchify_images, tokenize_prompt
+
+GREEDY = (0.0, 1.0, None)
+
+
+def collect(engine: Engine, request: ChatRequest) -> tuple[str, list, RequestMetrics]:
+    text, events = [], []
+    for event in engine.stream(request):
+        events.append(event)
+        if isinstance(event, TextChunk):
+            text.append(event.text)
+    return "".join(text), events, events[-1]
+
+
+@pytest.mark.parametrize("kv_cache", [True, False])
+def test_stage_loop_matches_transformers_generate(tiny_model, images_dir, kv_cache):
+    loaded = load_model(EngineConfig(model=str(tiny_model)))
+    image = load_image(images_dir / "coffee.png", max_pixels=10**8, max_bytes=10**8).image
+    sizes = [fit_to_budget(*image.size, 64 * 1024, 1024 * 1024)]
+    prompt = tokenize_prompt(loaded.tokenizer, chat_messages((), "Describe", [1]), sizes, loaded.image_token_id)
+    patches = patchify_images(loaded.image_processor, [image], sizes)
+    with torch.inference_mode():
+        vision = encode_images(loaded.model, patches)
+        logits, state = prefill(loaded.model, prompt, vision, patches.image_grid_thw, kv_cache)
+        first = sample(logits, *GREEDY)
+        ours = [first] + list(decode_n_tokens(loaded.model, state, first, 11, GREEDY, set(), lambda: False))
+        reference = loaded.model.generate(
+            input_ids=prompt.input_ids, attention_mask=torch.ones_like(prompt.input_ids),
+            mm_token_type_ids=prompt.mm_token_type_ids, pixel_values=patches.pixel_values,
+            image_grid_thw=patches.image_grid_thw, max_new_tokens=12, do_sample=False, eos_token_id=None,
+        )
+    assert ours == reference[0, prompt.input_ids.shape[1]:].tolist()
+
+
+def test_stream_yields_text_then_complete_metrics(engine, images_dir):
+    text, events, metrics = collect(engine, ChatRequest(prompt="Read the text", images=(images_dir / "page.png",),
+                                                       max_new_tokens=24))
+    assert any(isinstance(e, StageStarted) and e.name == "vision_encode" for e in events)
+    assert isinstance(metrics, RequestMetrics) and metrics.status == "ok"
+    assert text and metrics.output_tokens == 24
+    for stage in ("load_images", "preprocess", "vision_encode", "prefill", "decode", "detokenize"):
+        assert metrics.stages[stage] > 0, stage
+    assert sum(metrics.stages.values()) + metrics.queue_wait_s <= metrics.e2e_s
+    assert 0 < metrics.ttft_s <= metrics.e2e_s
+    assert len(metrics.token_latencies_s) == 23
+    assert metrics.decode_tokens_per_s == pytest.approx(23 / sum(metrics.token_latencies_s))
+    (width, height), = metrics.resized_sizes
+    assert metrics.image_sizes == ((384, 191),)
+    assert metrics.vision_tokens == (width // 32) * (height // 32)
+    assert metrics.prompt_tokens > metrics.vision_tokens
+    assert metrics.rss_before_bytes > 0 and metrics.rss_peak_bytes >= max(metrics.rss_before_bytes, metrics.rss_after_bytes)
+    assert metrics.weight_bytes > 0 and metrics.synthetic is False
+    assert engine.store.get(metrics.id) == metrics
+
+
+def test_text_only_and_multi_turn_with_several_images(engine, images_dir):
+    _, _, plain = collect(engine, ChatRequest(prompt="Say hello", max_new_tokens=4))
+    assert plain.status == "ok" and plain.vision_tokens == 0 and "vision_encode" not in plain.stages
+    first = engine.ask(ChatRequest(prompt="Compare", images=(images_dir / "chelsea.png", images_dir / "rocket.jpg"),
+                                   max_new_tokens=4))
+    follow_up = engine.ask(ChatRequest(
+        prompt="And the colours?",
+        history=(Turn("user", "Compare", (images_dir / "chelsea.png", images_dir / "rocket.jpg")),
+                 Turn("assistant", first.text)),
+        max_new_tokens=4,
+    ))
+    assert len(first.metrics.resized_sizes) == 2 == len(follow_up.metrics.resized_sizes)
+    assert follow_up.metrics.vision_tokens == first.metrics.vision_tokens
+    assert follow_up.metrics.prompt_tokens > first.metrics.prompt_tokens
+
+
+def test_bf16_int8_and_no_kv_cache_run(make_engine, images_dir):
+    request = ChatRequest(prompt="Describe", images=(images_dir / "chelsea.png",), max_new_tokens=6)
+    for settings in (dict(dtype="bfloat16"), dict(dtype="int8"), dict(kv_cache=False)):
+        engine = make_engine(**settings)
+        metrics = engine.ask(request).metrics
+        assert metrics.status == "ok" and metrics.output_tokens == 6, settings
+        assert metrics.dtype == engine.config.dtype and metrics.kv_cache == engine.config.kv_cache
+    int8_layer = make_engine(dtype="int8").loaded.model.model.language_model.layers[0].mlp.up_proj.weight
+    engine_layer = make_engine().loaded.model.model.language_model.layers[0].mlp.up_proj.weight
+    assert type(int8_layer) is not type(engine_layer)  # really quantized, not float32 under another name
+
+
+def test_too_long_prompt_is_refused_before_compute(make_engine, images_dir):
+    engine = make_engine(max_input_tokens=50)
+    with pytest.raises(PromptTooLong, match="limit is 50") as caught:
+        engine.ask(ChatRequest(prompt="Describe", images=(images_dir / "coffee.png",)))
+    metrics = caught.value.metrics
+    assert metrics.status == "refused" and metrics.error_type == "prompt_too_long"
+    assert "vision_encode" not in metrics.stages and "prefill" not in metrics.stages
+    assert engine.store.get(metrics.id).status == "refused"
+
+
+def test_bad_image_is_refused_and_recorded(engine, tmp_path):
+    bad = tmp_path / "photo.jpg"
+    bad.write_text("<html>not a photo</html>")
+    with pytest.raises(InvalidImage, match="not an image") as caught:
+        engine.ask(ChatRequest(prompt="What is this?", images=(bad,)))
+    assert engine.store.get(caught.value.metrics.id).error_type == "invalid_image"
+    assert engine.queue_depth == 0
+
+
+def first_text(stream) -> None:
+    for event in stream:
+        if isinstance(event, TextChunk):
+            return
+
+
+def test_cancel_stops_within_a_step_and_frees_the_queue(engine):
+    handle = engine.submit(ChatRequest(prompt="Write a long story", max_new_tokens=5000))
+    events = handle.events()
+    first_text(events)
+    cancelled_at = time.perf_counter()
+    handle.cancel()
+    metrics = [e for e in events if isinstance(e, RequestMetrics)][0]
+    assert time.perf_counter() - cancelled_at < 1.0
+    assert metrics.status == "cancelled" and 0 < metrics.output_tokens < 5000
+    follow = engine.ask(ChatRequest(prompt="Next", max_new_tokens=3))
+    assert follow.metrics.status == "ok" and follow.metrics.queue_wait_s < 1.0
+
+
+def test_dropping_the_stream_cancels_it(engine):
+    stream = engine.stream(ChatRequest(prompt="Write a long story", max_new_tokens=5000))
+    first_text(stream)
+    stream.close()
+    follow = engine.ask(ChatRequest(prompt="Next", max_new_tokens=3))
+    assert follow.metrics.queue_wait_s < 1.0
+    dropped = [m for m in engine.store.recent(10) if m.max_new_tokens == 5000][0]
+    assert dropped.status == "cancelled" and dropped.output_tokens < 5000
+
+
+def test_queue_bound_positions_and_cancel_while_waiting(make_engine):
+    engine = make_engine(max_queue=1)
+    running = engine.submit(ChatRequest(prompt="Long", max_new_tokens=5000))
+    running_events = running.events()
+    first_text(running_events)
+    waiting = engine.submit(ChatRequest(prompt="Second", max_new_tokens=3))
+    with pytest.raises(Busy, match="busy") as caught:
+        engine.submit(ChatRequest(prompt="Third", max_new_tokens=3))
+    assert caught.value.metrics.status == "refused" and caught.value.metrics.error_type == "busy"
+    waiting_events = waiting.events()
+    assert next(waiting_events) == Queued(1)
+    assert engine.queue_depth == 2
+    waiting.cancel()
+    withdrawn = next(waiting_events)
+    assert isinstance(withdrawn, RequestMetrics) and withdrawn.status == "cancelled" and withdrawn.started_at is None
+    running.cancel()
+    list(running_events)
+    assert engine.ask(ChatRequest(prompt="Now", max_new_tokens=2)).metrics.status == "ok"
+    assert engine.queue_depth == 0
+
+
+def test_concurrent_submitters_are_served_one_by_one_in_order(engine):
+    blocker = engine.submit(ChatRequest(prompt="Hold the worker", max_new_tokens=5000))
+    blocker_events = blocker.events()
+    first_text(blocker_events)
+    order_lock, submitted, results = threading.Lock(), [], {}
+
+    def client(index: int) -> None:
+        with order_lock:  # the order in which requests enter the queue
+            handle = engine.submit(ChatRequest(prompt=f"client {index}", max_new_tokens=5))
+            submitted.append(handle.id)
+        results[handle.id] = [e for e in handle.events()][-1]
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(5)]
+    for thread in threads:
+        thread.start()
+    while len(submitted) < 5:
+        time.sleep(0.01)
+    blocker.cancel()
+    list(blocker_events)
+    for thread in threads:
+        thread.join(60)
+    served = sorted(results.values(), key=lambda m: m.started_at)
+    assert [m.id for m in served] == submitted
+    for earlier, later in zip(served, served[1:]):
+        assert earlier.finished_at <= later.started_at  # never two at once
+    assert all(m.status == "ok" for m in served)
+
+
+def test_records_survive_an_engine_restart(make_engine, tmp_path):
+    first = make_engine()
+    ids = [first.ask(ChatRequest(prompt=f"q{i}", max_new_tokens=2)).metrics.id for i in range(3)]
+    first.close()
+    second = make_engine()
+    assert {m.id for m in second.store.recent(10)} >= set(ids)
+    assert MetricsStore(tmp_path / "metrics.db").count() >= 3
+
+
+def test_warmup_is_recorded_as_warmup(make_engine):
+    engine = make_engine(warmup=True)
+    records = engine.store.recent(5)
+    assert len(records) == 1 and records[0].warmup and records[0].source == "warmup" and records[0].status == "ok"
+
+
+def test_skeleton_folder_loads_synthetic_weights(make_engine, tiny_skeleton):
+    engine = make_engine(model=str(tiny_skeleton))
+    assert engine.info.synthetic
+    metrics = engine.ask(ChatRequest(prompt="Hi", max_new_tokens=3)).metrics
+    assert metrics.synthetic and metrics.status == "ok"
+    weights = engine.loaded.model.model.language_model.layers[0].mlp.up_proj.weight
+    assert torch.isfinite(weights).all() and weights.std() > 0  # filled, not left as garbage or zeros
+
+
+def test_missing_model_gives_one_clear_error(tmp_path, monkeypatch):
+    with pytest.raises(ModelUnavailable, match="does not exist"):
+        load_model(EngineConfig(model=str(tmp_path / "nowhere")))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelUnavailable, match="synthetic skeleton"):
+        load_model(EngineConfig(model="Qwen/Qwen3-VL-2B-Instruct-not-cached"))
+
+
+def test_config_from_env():
+    config = EngineConfig.from_env({"VLSCOPE_DTYPE": "bfloat16", "VLSCOPE_THREADS": "1", "VLSCOPE_KV_CACHE": "off"},
+                                   max_new_tokens=7)
+    assert (config.dtype, config.threads, config.kv_cache, config.max_new_tokens) == ("bfloat16", 1, False, 7)
+    with pytest.raises(ValueError, match="VLSCOPE_THREADS"):
+        EngineConfig.from_env({"VLSCOPE_THREADS": "many"})
+    with pytest.raises(ValueError, match="dtype"):
+        EngineConfig(dtype="int4")
