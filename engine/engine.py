@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import logging
+import queue
 import time
 import uuid
 from dataclasses import dataclass
@@ -75,12 +76,20 @@ class RequestHandle:
 
     def events(self) -> Iterator[Event]:
         while True:
-            item = self._job.events.get()
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-            if isinstance(item, RequestMetrics):
+            event = self.next_event()
+            yield event
+            if isinstance(event, RequestMetrics):
                 return
+
+    def next_event(self, timeout: float | None = None) -> Event | None:
+        """The next event, or None after `timeout` seconds without one. Raises the request's error, if any."""
+        try:
+            item = self._job.events.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        if isinstance(item, BaseException):
+            raise item
+        return item
 
     def cancel(self) -> None:
         self._job.cancel()

@@ -9,10 +9,12 @@ import json
 import logging
 import os
 import shutil
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
+from urllib.parse import urlparse
 
 import torch
 from torch import nn
@@ -105,14 +107,27 @@ def fill_synthetic_(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
                     flat[start:end].copy_(pool[: end - start])
 
 
-def _load_tokenizer_and_processor(source: str):
+def _load_tokenizer_and_processor(source: str, local_only: bool):
     from transformers import AutoTokenizer
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    tokenizer = AutoTokenizer.from_pretrained(source)
+    tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local_only)
     # The PIL image processor does what AutoProcessor's does without needing torchvision.
-    image_processor = Qwen2VLImageProcessorPil.from_pretrained(source)
+    image_processor = Qwen2VLImageProcessorPil.from_pretrained(source, local_files_only=local_only)
     return tokenizer, image_processor
+
+
+def hub_reachable(timeout_s: float = 3.0) -> bool:
+    """One quick connection attempt, so an offline machine learns it in seconds, not after a minute of retries."""
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+        return False
+    parsed = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    try:
+        socket.create_connection((parsed.hostname, port), timeout=timeout_s).close()
+        return True
+    except OSError:
+        return False
 
 
 def _eos_ids(source: str, tokenizer) -> tuple[int, ...]:
@@ -130,8 +145,9 @@ def _eos_ids(source: str, tokenizer) -> tuple[int, ...]:
 
 
 def _unavailable(model: str, cause: BaseException) -> ModelUnavailable:
+    reason = (str(cause).splitlines()[0] if str(cause) else type(cause).__name__).rstrip(".")
     return ModelUnavailable(
-        f"Could not load model {model!r}: {str(cause).splitlines()[0] if str(cause) else type(cause).__name__}. "
+        f"Could not load model {model!r} ({reason}). "
         "Its weights are not on this machine and the model hub could not be reached. Either pass a local folder "
         "that holds the weights (--model /path/to/Qwen3-VL-2B-Instruct, or VLSCOPE_MODEL), set HF_HUB_OFFLINE=1 "
         "if the model is already in the Hugging Face cache, or use the synthetic skeleton "
@@ -175,9 +191,11 @@ def load_model(config: EngineConfig, progress: ProgressCallback | None = None) -
     synthetic = is_folder and not has_weights(folder)
     load_from = str(folder) if is_folder else source
 
+    # Offline, a hub id can still load from the local Hugging Face cache.
+    local_only = not is_folder and not hub_reachable()
     report(0.05, "Loading tokenizer and image processor")
     try:
-        tokenizer, image_processor = _load_tokenizer_and_processor(load_from)
+        tokenizer, image_processor = _load_tokenizer_and_processor(load_from, local_only)
     except (OSError, ValueError) as exc:
         raise _unavailable(source, exc) from None
 
@@ -190,7 +208,9 @@ def load_model(config: EngineConfig, progress: ProgressCallback | None = None) -
 
         report(0.15, f"Loading weights ({config.dtype}); a first download can take minutes")
         try:
-            model = Qwen3VLForConditionalGeneration.from_pretrained(load_from, dtype=torch_dtype)
+            model = Qwen3VLForConditionalGeneration.from_pretrained(
+                load_from, dtype=torch_dtype, local_files_only=local_only
+            )
         except (OSError, ValueError) as exc:
             raise _unavailable(source, exc) from None
     model.eval()

@@ -1,0 +1,108 @@
+"""What this machine is, as far as CPU inference cares: CPU, ISA flags, huge pages, threads, memory, versions."""
+from __future__ import annotations
+
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import torch
+
+# Flags as /proc/cpuinfo spells them, with what each means for this workload.
+ISA_FLAGS = {
+    "avx2": "AVX2",
+    "avx512f": "AVX-512",
+    "avx512_vnni": "AVX-512 VNNI (int8 dot products)",
+    "avx512_bf16": "AVX-512 BF16",
+    "amx_tile": "AMX tiles",
+    "amx_bf16": "AMX BF16",
+    "amx_int8": "AMX INT8",
+}
+
+
+@dataclass(frozen=True)
+class SystemReport:
+    cpu_model: str
+    physical_cores: int
+    logical_cores: int
+    isa_flags: tuple[str, ...]  # keys of ISA_FLAGS present
+    transparent_hugepages: str
+    torch_threads: int
+    torch_version: str
+    transformers_version: str
+    memory_total_bytes: int
+    memory_available_bytes: int
+
+    @property
+    def advice(self) -> list[str]:
+        return advice_for(self)
+
+
+def _cpuinfo() -> tuple[str, set[str]]:
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key == "model name" and model in ("", platform.machine(), platform.processor()):
+                model = value.strip()
+            elif key == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    return model, flags
+
+
+def _thp_setting() -> str:
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().strip()
+    except OSError:
+        return "unknown"
+    # The kernel marks the active choice in brackets: "always [madvise] never".
+    for word in text.split():
+        if word.startswith("["):
+            return word.strip("[]")
+    return text
+
+
+def system_report() -> SystemReport:
+    import transformers
+
+    model, flags = _cpuinfo()
+    memory = psutil.virtual_memory()
+    return SystemReport(
+        cpu_model=model,
+        physical_cores=psutil.cpu_count(logical=False) or 1,
+        logical_cores=psutil.cpu_count(logical=True) or 1,
+        isa_flags=tuple(flag for flag in ISA_FLAGS if flag in flags),
+        transparent_hugepages=_thp_setting(),
+        torch_threads=torch.get_num_threads(),
+        torch_version=torch.__version__,
+        transformers_version=transformers.__version__,
+        memory_total_bytes=memory.total,
+        memory_available_bytes=memory.available,
+    )
+
+
+def advice_for(report: SystemReport) -> list[str]:
+    """What follows from the facts. Advice only: the bench measures, and its numbers win over these rules."""
+    flags = set(report.isa_flags)
+    tips = []
+    if {"amx_bf16", "avx512_bf16"} & flags:
+        tips.append("This CPU computes bfloat16 natively (AMX or AVX-512 BF16): bfloat16 usually beats float32 "
+                    "here on prefill and decode. Measure with the benchmark before switching.")
+    else:
+        tips.append("No native bfloat16 on this CPU: float32 is usually the faster choice; bfloat16 is emulated.")
+    if "avx512_vnni" in flags or "amx_int8" in flags:
+        tips.append("int8 instructions are present: int8 weights halve the bytes read per token versus bfloat16, "
+                    "which is what bounds decode speed. Check the accuracy drift in the benchmark.")
+    if report.transparent_hugepages == "always":
+        tips.append("Transparent huge pages are 'always': the first request after load may stall while the kernel "
+                    "compacts memory; 'madvise' or 'never' gives a steadier first request.")
+    if report.torch_threads > report.physical_cores:
+        tips.append(f"torch uses {report.torch_threads} threads on {report.physical_cores} physical cores: "
+                    "hyper-threads rarely help matrix work; try threads = physical cores.")
+    weights_fp32 = 2.4e9 * 4
+    if report.memory_total_bytes < weights_fp32 * 1.3:
+        tips.append("Memory is tight for float32 weights (~9.8 GB): prefer bfloat16 or int8.")
+    return tips

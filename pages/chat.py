@@ -1,0 +1,116 @@
+"""Chat page: pick or upload an image, ask, watch the answer stream, see what it cost."""
+import logging
+from pathlib import Path
+
+import streamlit as st
+
+from engine import Queued, RequestMetrics, StageStarted, TextChunk, VlscopeError
+from ui.conversation import PRESETS, ChatTurn, build_request, images_to_attach, stats_line, transcript
+
+log = logging.getLogger(__name__)
+SAMPLES = Path(__file__).resolve().parent.parent / "samples"
+UPLOAD_TYPES = ["jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff"]
+
+st.title("Chat")
+loaded = st.session_state.get("loaded_engine")
+if loaded is None:
+    st.stop()
+engine = loaded.engine
+turns: list[ChatTurn] = st.session_state.setdefault("turns", [])
+
+upload_column, sample_column, option_column = st.columns([3, 2, 2])
+uploads = upload_column.file_uploader("Upload image(s)", type=UPLOAD_TYPES, accept_multiple_files=True,
+                                      key="image_upload")
+sample_names = ["(none)"] + sorted(p.name for p in SAMPLES.iterdir() if p.suffix in (".png", ".jpg"))
+sample = sample_column.selectbox("…or a sample", sample_names, key="sample_image")
+preset = option_column.selectbox("Prompt preset", list(PRESETS), key="prompt_preset")
+enhance = option_column.toggle("Enhance for OCR", key="enhance_ocr",
+                               help="Greyscale, autocontrast, deskew and binarise before the model sees the image.")
+
+if uploads:
+    current = [(upload.name, upload.getvalue()) for upload in uploads]
+elif sample != "(none)":
+    current = [(sample, (SAMPLES / sample).read_bytes())]
+else:
+    current = []
+if current:
+    sample_column.image([data for _, data in current], width=120, caption=[name for name, _ in current])
+
+for turn in turns:
+    with st.chat_message(turn.role):
+        for name, data in turn.images:
+            st.image(data, caption=name, width=280)
+        (st.error if turn.error else st.markdown)(turn.text)
+        if turn.stats:
+            st.caption(turn.stats)
+
+actions = st.columns([1, 1, 1, 4])
+ask_preset = actions[0].button(f"Ask: {preset}", key="ask_preset", disabled=not PRESETS[preset])
+if actions[1].button("Clear chat", key="clear_chat"):
+    st.session_state["turns"] = []
+    st.rerun()
+actions[2].download_button("Transcript", transcript(turns), file_name="vlscope-transcript.md", mime="text/markdown",
+                           key="download_transcript", disabled=not turns)
+
+typed = st.chat_input("Ask about the image", key="chat_prompt", submit_mode="stop", max_chars=8000)
+prompt = typed if typed else (PRESETS[preset] if ask_preset else None)
+
+
+def stream_text(handle, status, partial: list, result: dict):
+    """Engine events to text for st.write_stream. Runs in this script thread: the worker never touches st."""
+    while True:
+        event = handle.next_event(timeout=0.25)
+        if event is None:
+            continue  # a heartbeat: lets Streamlit stop this run between events
+        if isinstance(event, Queued):
+            status.info(f"Waiting for the model: {event.position} request(s) ahead", icon=":material/hourglass:")
+        elif isinstance(event, StageStarted):
+            status.caption(f"{event.name.replace('_', ' ')}…")
+        elif isinstance(event, TextChunk):
+            status.empty()
+            partial.append(event.text)
+            yield event.text
+        elif isinstance(event, RequestMetrics):
+            result["metrics"] = event
+            return
+
+
+if prompt:
+    attach = images_to_attach(turns, current)
+    request = build_request(turns, prompt, attach, enhance)
+    user_turn = ChatTurn("user", prompt, attach)
+    turns.append(user_turn)
+    with st.chat_message("user"):
+        for name, data in attach:
+            st.image(data, caption=name, width=280)
+        st.markdown(prompt)
+    with st.chat_message("assistant"):
+        status = st.empty()
+        partial: list[str] = []
+        result: dict = {}
+        answer = ChatTurn("assistant", "")
+        handle = None
+        try:
+            handle = engine.submit(request)
+            st.write_stream(stream_text(handle, status, partial, result))
+            metrics = result["metrics"]
+            answer.text = "".join(partial)
+            answer.stats = stats_line(metrics)
+            st.caption(answer.stats)
+        except VlscopeError as exc:
+            status.empty()
+            user_turn.error = answer.error = True
+            answer.text = exc.message
+            st.error(exc.message)
+        except Exception as exc:  # never a traceback in the UI
+            log.exception("chat request failed")
+            user_turn.error = answer.error = True
+            answer.text = f"Something went wrong: {type(exc).__name__}: {exc}"
+            st.error(answer.text)
+        finally:
+            # Also runs when the user stops the run or reruns: the engine stops, the partial answer is kept.
+            if handle is not None:
+                handle.cancel()
+            if not answer.text and not answer.error:
+                answer.text = "".join(partial) + " _(stopped)_"
+            turns.append(answer)

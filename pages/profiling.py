@@ -1,0 +1,84 @@
+"""Profiling page: every request from every session, live from the metrics database."""
+import time
+
+import streamlit as st
+
+from engine import stage_percentiles, to_csv
+from engine.system import ISA_FLAGS, system_report
+from ui.charts import label, latency_over_time, records_frame, rss_chart, stage_bars, token_latency_chart
+from ui.engine_resource import get_store
+
+WINDOWS = {"last 15 minutes": 15 * 60, "last hour": 3600, "last 24 hours": 86400, "all": None}
+GIB = 1 << 30
+
+st.title("Profiling")
+controls = st.columns([2, 3, 2, 1, 1])
+window = controls[0].selectbox("Time window", list(WINDOWS), index=1, key="prof_window")
+statuses = controls[1].multiselect("Status", ["ok", "cancelled", "error", "refused"], default=["ok", "cancelled",
+                                   "error", "refused"], key="prof_status")
+sources = controls[2].multiselect("Source", ["app", "api", "cli", "bench", "python", "warmup"], key="prof_source",
+                                  placeholder="all sources")
+show_warmups = controls[3].toggle("Warm-ups", value=False, key="prof_warmups")
+live = controls[4].toggle("Live", value=True, key="prof_live", help="Refresh every 2 seconds; off to pause.")
+
+
+@st.fragment(run_every=2 if live else None)
+def live_view() -> None:
+    store = get_store()
+    seconds = WINDOWS[window]
+    records = store.between(time.time() - seconds) if seconds else store.recent(1000)
+    records = [r for r in records if r.status in statuses and (show_warmups or not r.warmup)
+               and (not sources or r.source in sources)]
+    if store.last_error:
+        st.error(store.last_error)
+    if not records:
+        st.info("No requests in this window yet. Ask something on the Chat page; it shows up here within seconds.")
+        return
+    latest = records[0]
+    top = st.columns(5)
+    top[0].metric("requests", len(records))
+    top[1].metric("last TTFT", f"{latest.ttft_s:.2f} s" if latest.ttft_s is not None else "–")
+    top[2].metric("last decode", f"{latest.decode_tokens_per_s:.1f} tok/s" if latest.decode_tokens_per_s else "–")
+    top[3].metric("last total", f"{latest.e2e_s:.1f} s")
+    top[4].metric("last peak RSS", f"{latest.rss_peak_bytes / GIB:.2f} GiB")
+
+    shown = records[:60]  # the newest; older ones stay in the table and the CSV
+    st.subheader("Where the time went, per request")
+    st.plotly_chart(stage_bars(shown), key="chart_stages")
+    left, right = st.columns(2)
+    with left:
+        st.subheader("Memory (RSS) per request")
+        st.plotly_chart(rss_chart(shown), key="chart_rss")
+    with right:
+        st.subheader("p50 / p95 per stage")
+        summary = stage_percentiles(records)
+        st.dataframe({"stage": list(summary), "p50 s": [v[50] for v in summary.values()],
+                      "p95 s": [v[95] for v in summary.values()]}, hide_index=True, key="table_percentiles")
+    st.subheader("TTFT and decode speed over time")
+    st.plotly_chart(latency_over_time(records), key="chart_over_time")
+
+    with_tokens = [r for r in records if r.token_latencies_s]
+    if with_tokens:
+        st.subheader("Per-token decode latency")
+        chosen = st.selectbox("Request", with_tokens, format_func=label, key="token_request")
+        st.plotly_chart(token_latency_chart(chosen), key="chart_tokens")
+
+    st.subheader("Requests")
+    st.dataframe(records_frame(records), hide_index=True, key="table_requests")
+    st.download_button("Download CSV", to_csv(records), file_name="vlscope-requests.csv", mime="text/csv",
+                       key="download_csv")
+
+
+live_view()
+
+with st.expander("System", icon=":material/memory:"):
+    report = system_report()
+    st.markdown(
+        f"**CPU** {report.cpu_model} · {report.physical_cores} physical / {report.logical_cores} logical cores  \n"
+        f"**ISA** {', '.join(ISA_FLAGS[f] for f in report.isa_flags) or 'none of note'}  \n"
+        f"**Transparent huge pages** {report.transparent_hugepages} · **torch threads** {report.torch_threads}  \n"
+        f"**torch** {report.torch_version} · **transformers** {report.transformers_version}  \n"
+        f"**Memory** {report.memory_available_bytes / GIB:.1f} GiB free of {report.memory_total_bytes / GIB:.1f} GiB"
+    )
+    for tip in report.advice:
+        st.info(tip, icon=":material/lightbulb:")

@@ -1,0 +1,43 @@
+"""Settings page: change model, precision, threads or image budget; applying reloads the model for everyone."""
+import streamlit as st
+
+from engine import DTYPES, EngineConfig
+from ui.engine_resource import apply_settings, shared_settings
+
+st.title("Settings")
+current = shared_settings().config
+st.caption("Defaults come from `.streamlit/secrets.toml` ([vlscope] table) and `VLSCOPE_*` environment variables. "
+           "Changes here apply to every session of this server until it restarts.")
+
+with st.form("settings_form"):
+    model = st.text_input("Model (hub id, folder with weights, or skeleton folder)", current.model, key="set_model")
+    left, right = st.columns(2)
+    dtype = left.selectbox("Precision", DTYPES, index=DTYPES.index(current.dtype), key="set_dtype")
+    threads = right.number_input("Threads", 1, 512, current.threads, key="set_threads")
+    max_tokens = left.select_slider("Max vision tokens per image", [64, 128, 256, 512, 768, 1024, 1536, 2048, 4096],
+                                    value=current.max_vision_tokens if current.max_vision_tokens in
+                                    (64, 128, 256, 512, 768, 1024, 1536, 2048, 4096) else 1024, key="set_budget")
+    max_new = right.number_input("Max new tokens", 1, 8192, current.max_new_tokens, key="set_max_new")
+    temperature = left.slider("Temperature (0 = greedy)", 0.0, 2.0, current.temperature, 0.05, key="set_temperature")
+    top_p = right.slider("Top-p", 0.05, 1.0, current.top_p, 0.05, key="set_top_p")
+    kv_cache = left.toggle("KV cache", current.kv_cache, key="set_kv_cache",
+                           help="Off only for benchmarks: every token re-reads the whole sequence.")
+    store_content = right.toggle("Store prompts, answers and images", current.store_content, key="set_store",
+                                 help="Off: only metrics are kept.")
+    submitted = st.form_submit_button("Apply and reload", type="primary")
+
+if submitted:
+    try:
+        new = current.replace(model=model.strip(), dtype=dtype, threads=int(threads),
+                              max_pixels=int(max_tokens) * 1024, min_pixels=min(current.min_pixels, int(max_tokens) * 1024),
+                              max_new_tokens=int(max_new), temperature=float(temperature), top_p=float(top_p),
+                              kv_cache=kv_cache, store_content=store_content)
+    except ValueError as exc:
+        st.error(f"Not applied: {exc}")
+    else:
+        apply_settings(new)
+        st.success("Applied. The model reloads now.")
+        st.rerun()
+
+st.subheader("In force")
+st.json({k: v for k, v in vars(current).items()}, expanded=False)

@@ -1,0 +1,19 @@
+"""vlscope: chat with Qwen3-VL on a CPU and see what every request costs."""
+import logging
+
+import streamlit as st
+
+from ui.engine_resource import get_engine
+from ui.sidebar import render_status
+
+logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+st.set_page_config(page_title="vlscope", page_icon=":material/visibility:", layout="wide")
+
+page = st.navigation([
+    st.Page("pages/chat.py", title="Chat", icon=":material/chat:", default=True),
+    st.Page("pages/profiling.py", title="Profiling", icon=":material/monitoring:"),
+    st.Page("pages/settings.py", title="Settings", icon=":material/tune:"),
+])
+st.session_state["loaded_engine"] = get_engine()
+render_status(st.session_state["loaded_engine"])
+page.run()

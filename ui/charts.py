@@ -1,0 +1,83 @@
+"""Plotly figures of request metrics. Pure functions of the records, so they are tested without a browser."""
+from __future__ import annotations
+
+import datetime as dt
+
+import pandas as pd
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from engine import STAGES, RequestMetrics
+
+GIB = 1 << 30
+STAGE_COLOURS = {
+    "queue_wait": "#bab0ac", "load_images": "#9c755f", "ocr_enhance": "#ff9da7", "preprocess": "#edc948",
+    "vision_encode": "#f28e2b", "prefill": "#e15759", "decode": "#4e79a7", "detokenize": "#76b7b2",
+}
+
+
+def label(record: RequestMetrics) -> str:
+    """A short, unique axis label: time and the id's first characters."""
+    return f"{dt.datetime.fromtimestamp(record.submitted_at):%H:%M:%S} {record.id[:6]}"
+
+
+def stage_bars(records: list[RequestMetrics]) -> go.Figure:
+    """One stacked bar per request (oldest left): where its end-to-end time went."""
+    records = sorted(records, key=lambda r: r.submitted_at)
+    labels = [label(r) for r in records]
+    figure = go.Figure()
+    for stage in ("queue_wait",) + STAGES:
+        values = [r.queue_wait_s if stage == "queue_wait" else r.stages.get(stage, 0.0) for r in records]
+        if any(values):
+            figure.add_bar(name=stage, x=labels, y=values, marker_color=STAGE_COLOURS[stage],
+                           hovertemplate="%{x}<br>" + stage + ": %{y:.3f} s<extra></extra>")
+    figure.update_layout(barmode="stack", yaxis_title="seconds", xaxis_title="request", legend_title="stage",
+                         margin=dict(t=30, b=10), height=380)
+    return figure
+
+
+def rss_chart(records: list[RequestMetrics]) -> go.Figure:
+    records = sorted(records, key=lambda r: r.submitted_at)
+    labels = [label(r) for r in records]
+    figure = go.Figure()
+    for name, attribute, dash in (("before", "rss_before_bytes", "dot"), ("peak", "rss_peak_bytes", "solid"),
+                                  ("after", "rss_after_bytes", "dash")):
+        figure.add_scatter(name=name, x=labels, y=[getattr(r, attribute) / GIB for r in records],
+                           mode="lines+markers", line=dict(dash=dash))
+    figure.add_scatter(name="weights", x=labels, y=[r.weight_bytes / GIB for r in records], mode="lines",
+                       line=dict(color="#999", width=1))
+    figure.update_layout(yaxis_title="GiB", xaxis_title="request", margin=dict(t=30, b=10), height=320)
+    return figure
+
+
+def latency_over_time(records: list[RequestMetrics]) -> go.Figure:
+    records = sorted(records, key=lambda r: r.submitted_at)
+    times = [dt.datetime.fromtimestamp(r.submitted_at) for r in records]
+    figure = make_subplots(rows=1, cols=2, subplot_titles=("time to first token (s)", "decode tokens/s"))
+    figure.add_scatter(x=times, y=[r.ttft_s for r in records], mode="lines+markers", name="TTFT", row=1, col=1)
+    figure.add_scatter(x=times, y=[r.decode_tokens_per_s for r in records], mode="lines+markers",
+                       name="decode tok/s", row=1, col=2)
+    figure.update_layout(showlegend=False, margin=dict(t=40, b=10), height=300)
+    return figure
+
+
+def token_latency_chart(record: RequestMetrics) -> go.Figure:
+    figure = go.Figure()
+    figure.add_scatter(x=list(range(2, len(record.token_latencies_s) + 2)),
+                       y=[s * 1000 for s in record.token_latencies_s], mode="lines", name="step")
+    figure.update_layout(xaxis_title="output token", yaxis_title="decode step (ms)", margin=dict(t=30, b=10),
+                         height=300)
+    return figure
+
+
+def records_frame(records: list[RequestMetrics]) -> pd.DataFrame:
+    rows = []
+    for r in records:
+        rows.append({
+            "time": dt.datetime.fromtimestamp(r.submitted_at), "id": r.id[:8], "status": r.status, "source": r.source,
+            "warmup": r.warmup, "dtype": r.dtype, "threads": r.threads, "synthetic": r.synthetic,
+            "vision tokens": r.vision_tokens, "prompt tokens": r.prompt_tokens, "output tokens": r.output_tokens,
+            "queue wait s": r.queue_wait_s, "TTFT s": r.ttft_s, "tok/s": r.decode_tokens_per_s, "total s": r.e2e_s,
+            "peak RSS GiB": r.rss_peak_bytes / GIB, "error": r.error,
+        })
+    return pd.DataFrame(rows)

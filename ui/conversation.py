@@ -1,0 +1,74 @@
+"""The chat page's conversation: turns kept in session state, turned into engine requests and a transcript."""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+from engine import ChatRequest, RequestMetrics, Turn
+
+GIB = 1 << 30
+
+PRESETS = {
+    "Describe": "Describe this image in detail.",
+    "OCR": "Extract all visible text line by line.",
+    "Question": "",
+}
+
+
+@dataclass
+class ChatTurn:
+    role: str
+    text: str
+    images: list[tuple[str, bytes]] = field(default_factory=list)  # (name, file bytes)
+    stats: str | None = None
+    error: bool = False
+
+
+def image_digest(images: list[tuple[str, bytes]]) -> str:
+    return hashlib.sha256(b"".join(hashlib.sha256(data).digest() for _, data in images)).hexdigest()
+
+
+def images_to_attach(turns: list[ChatTurn], current: list[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
+    """The picked images go with the next question only when they differ from the last ones sent:
+    follow-ups about the same picture reach it through the history."""
+    if not current:
+        return []
+    sent = [turn.images for turn in turns if turn.role == "user" and turn.images]
+    if sent and image_digest(sent[-1]) == image_digest(current):
+        return []
+    return current
+
+
+def build_request(turns: list[ChatTurn], prompt: str, images: list[tuple[str, bytes]], enhance_for_ocr: bool) -> ChatRequest:
+    # Failed turns are left out: the model never answered them.
+    history = tuple(
+        Turn(turn.role, turn.text, tuple(data for _, data in turn.images)) for turn in turns if not turn.error
+    )
+    return ChatRequest(prompt=prompt, images=tuple(data for _, data in images), history=history,
+                       enhance_for_ocr=enhance_for_ocr, source="app")
+
+
+def stats_line(metrics: RequestMetrics) -> str:
+    parts = []
+    if metrics.ttft_s is not None:
+        parts.append(f"TTFT {metrics.ttft_s:.2f} s")
+    if metrics.decode_tokens_per_s:
+        parts.append(f"{metrics.decode_tokens_per_s:.1f} tok/s")
+    parts.append(f"total {metrics.e2e_s:.1f} s")
+    parts.append(f"{metrics.vision_tokens} vision tokens")
+    parts.append(f"peak RSS {metrics.rss_peak_bytes / GIB:.2f} GiB")
+    if metrics.status != "ok":
+        parts.append(metrics.status)
+    return " · ".join(parts)
+
+
+def transcript(turns: list[ChatTurn]) -> str:
+    lines = ["# vlscope conversation", ""]
+    for turn in turns:
+        lines.append(f"**{turn.role}**" + (f" (images: {', '.join(name for name, _ in turn.images)})" if turn.images else ""))
+        lines.append("")
+        lines.append(turn.text)
+        if turn.stats:
+            lines += ["", f"_{turn.stats}_"]
+        lines.append("")
+    return "\n".join(lines)

@@ -1,0 +1,33 @@
+"""The sidebar every page shows: what is loaded, what it weighs, what the process holds now."""
+from __future__ import annotations
+
+import streamlit as st
+
+from engine.metrics import current_rss
+
+from .engine_resource import LoadedEngine
+
+GIB = 1 << 30
+
+
+def render_status(loaded: LoadedEngine | None) -> None:
+    with st.sidebar:
+        if loaded is None:
+            st.caption("No model loaded.")
+            return
+        engine, info = loaded.engine, loaded.engine.info
+        if loaded.fallback_reason:
+            st.warning(f"Running the synthetic skeleton instead of {engine.config.model!r}. "
+                       f"{loaded.fallback_reason}", icon=":material/warning:")
+        if info.synthetic:
+            st.warning("Synthetic weights: answers are noise; latency and memory are the real model's.",
+                       icon=":material/science:")
+        st.markdown(f"**Model** `{info.model}`")
+        left, right = st.columns(2)
+        left.metric("dtype", info.dtype)
+        right.metric("threads", info.threads)
+        left.metric("weights", f"{info.weight_bytes / GIB:.2f} GiB")
+        right.metric("process RSS", f"{current_rss() / GIB:.2f} GiB")
+        st.caption(f"Queue: {engine.queue_depth} request(s) · loaded in {info.load_seconds:.1f} s")
+        if engine.store.last_error:
+            st.error(f"Metrics are not being saved: {engine.store.last_error}")
