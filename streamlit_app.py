@@ -14,6 +14,5 @@ page = st.navigation([
     st.Page("pages/profiling.py", title="Profiling", icon=":material/monitoring:"),
     st.Page("pages/settings.py", title="Settings", icon=":material/tune:"),
 ])
-st.session_state["loaded_engine"] = get_engine()
-render_status(st.session_state["loaded_engine"])
+render_status(get_engine())
 page.run()

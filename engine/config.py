@@ -13,6 +13,8 @@ DEFAULT_MODEL = "Qwen/Qwen3-VL-2B-Instruct"
 SKELETON_DIR = PROJECT_DIR / "models" / "qwen3-vl-2b-skeleton"
 
 DTYPES = ("float32", "bfloat16", "int8")
+# Shorter names people type, beside the VLSCOPE_<FIELD> ones.
+ENV_ALIASES = {"db_path": "VLSCOPE_DB"}
 # One vision token covers a 32x32 pixel block (16-pixel patches merged 2x2).
 PIXELS_PER_VISION_TOKEN = 32 * 32
 
@@ -74,6 +76,8 @@ class EngineConfig:
         values: dict = {}
         for field in dataclasses.fields(cls):
             raw = env.get(f"VLSCOPE_{field.name.upper()}")
+            if raw is None and field.name in ENV_ALIASES:
+                raw = env.get(ENV_ALIASES[field.name])
             if raw is None or raw == "":
                 continue
             values[field.name] = _parse(field.name, raw, field.type)

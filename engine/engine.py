@@ -164,10 +164,17 @@ class Engine:
         raise GenerationFailed("the request ended without metrics")  # unreachable: events() ends with metrics
 
     def warm_up(self) -> RequestMetrics:
-        """One short request at load, so the first user request does not pay for first-touch costs."""
+        """One short request at load, so the first user request does not pay for first-touch costs.
+
+        A warm-up the settings refuse (say, an input limit below its size) is recorded and logged, not fatal."""
         image = Image.radial_gradient("L").convert("RGB").resize((256, 256))
-        return self.ask(ChatRequest(prompt="Describe this image.", images=(image,), max_new_tokens=4,
-                                    source="warmup", warmup=True)).metrics
+        request = ChatRequest(prompt="Describe this image.", images=(image,), max_new_tokens=4, source="warmup",
+                              warmup=True)
+        try:
+            return self.ask(request).metrics
+        except VlscopeError as exc:
+            log.warning("warm-up request did not run: %s", exc)
+            return exc.metrics
 
     def close(self) -> None:
         self._queue.close()

@@ -63,9 +63,10 @@ def _read_source(source, max_bytes: int) -> tuple[bytes | None, Image.Image | No
     return data, None, name
 
 
-def load_image(source, *, max_pixels: int, max_bytes: int) -> LoadedImage:
-    """Decode, validate and convert one image. Raises InvalidImage with a readable reason."""
-    data, image, name = _read_source(source, max_bytes)
+def load_image(source, *, max_pixels: int, max_bytes: int, name: str | None = None) -> LoadedImage:
+    """Decode, validate and convert one image. Raises InvalidImage with a readable reason, naming `name`."""
+    data, image, source_name = _read_source(source, max_bytes)
+    name = name or source_name
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)

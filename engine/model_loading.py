@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 import time
@@ -184,7 +185,7 @@ def load_model(config: EngineConfig, progress: ProgressCallback | None = None) -
     source = config.model
     folder = Path(source).expanduser()
     is_folder = folder.is_dir()
-    if not is_folder and (source.startswith((".", "/", "~")) or os.sep in source and not _looks_like_hub_id(source)):
+    if not is_folder and not looks_like_hub_id(source):
         raise ModelUnavailable(f"Model folder {source!r} does not exist. Pass a folder with config.json, or a hub id.")
     if is_folder and not (folder / "config.json").is_file():
         raise ModelUnavailable(f"{source!r} has no config.json: it is not a Qwen3-VL model folder.")
@@ -233,9 +234,9 @@ def load_model(config: EngineConfig, progress: ProgressCallback | None = None) -
     )
 
 
-def _looks_like_hub_id(source: str) -> bool:
-    parts = source.split("/")
-    return len(parts) == 2 and all(parts) and not source.startswith((".", "/", "~"))
+def looks_like_hub_id(source: str) -> bool:
+    """'org/name' or 'name', as the hub spells ids; anything else with a slash is a filesystem path."""
+    return re.fullmatch(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?", source) is not None
 
 
 TINY_TEXT = dict(

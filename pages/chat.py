@@ -1,10 +1,13 @@
 """Chat page: pick or upload an image, ask, watch the answer stream, see what it cost."""
+import io
 import logging
 from pathlib import Path
 
 import streamlit as st
 
-from engine import Queued, RequestMetrics, StageStarted, TextChunk, VlscopeError
+from engine import InvalidImage, Queued, RequestMetrics, StageStarted, TextChunk, VlscopeError
+from engine.images import load_image
+from ui.engine_resource import get_engine
 from ui.conversation import PRESETS, ChatTurn, build_request, images_to_attach, stats_line, transcript
 
 log = logging.getLogger(__name__)
@@ -12,11 +15,30 @@ SAMPLES = Path(__file__).resolve().parent.parent / "samples"
 UPLOAD_TYPES = ["jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff"]
 
 st.title("Chat")
-loaded = st.session_state.get("loaded_engine")
+loaded = get_engine(show_problems=False)
 if loaded is None:
     st.stop()
 engine = loaded.engine
 turns: list[ChatTurn] = st.session_state.setdefault("turns", [])
+
+
+@st.cache_data(max_entries=64, show_spinner=False)
+def thumbnail(data: bytes, max_pixels: int, max_bytes: int, name: str = "image") -> tuple[bytes | None, str | None]:
+    """A PNG preview of an image file, or the reason it is refused: decoded by the engine's own checks, so the
+    page never hands the browser a file the model would refuse (nor a TIFF it cannot show)."""
+    try:
+        picture = load_image(data, max_pixels=max_pixels, max_bytes=max_bytes, name=name).image.copy()
+    except InvalidImage as exc:
+        return None, exc.message
+    picture.thumbnail((560, 560))
+    buffer = io.BytesIO()
+    picture.save(buffer, format="PNG")
+    return buffer.getvalue(), None
+
+
+def preview(data: bytes) -> bytes | None:
+    return thumbnail(data, engine.config.max_image_pixels, engine.config.max_image_bytes)[0]
+
 
 upload_column, sample_column, option_column = st.columns([3, 2, 2])
 uploads = upload_column.file_uploader("Upload image(s)", type=UPLOAD_TYPES, accept_multiple_files=True,
@@ -28,18 +50,24 @@ enhance = option_column.toggle("Enhance for OCR", key="enhance_ocr",
                                help="Greyscale, autocontrast, deskew and binarise before the model sees the image.")
 
 if uploads:
-    current = [(upload.name, upload.getvalue()) for upload in uploads]
+    picked = [(upload.name, upload.getvalue()) for upload in uploads]
 elif sample != "(none)":
-    current = [(sample, (SAMPLES / sample).read_bytes())]
+    picked = [(sample, (SAMPLES / sample).read_bytes())]
 else:
-    current = []
-if current:
-    sample_column.image([data for _, data in current], width=120, caption=[name for name, _ in current])
+    picked = []
+current = []
+for name, data in picked:
+    image, problem = thumbnail(data, engine.config.max_image_pixels, engine.config.max_image_bytes, name)
+    if problem:
+        upload_column.error(f"Not used: {problem}", icon=":material/broken_image:")
+    else:
+        current.append((name, data))
+        sample_column.image(image, width=120, caption=name)
 
 for turn in turns:
     with st.chat_message(turn.role):
         for name, data in turn.images:
-            st.image(data, caption=name, width=280)
+            st.image(preview(data), caption=name, width=280)
         (st.error if turn.error else st.markdown)(turn.text)
         if turn.stats:
             st.caption(turn.stats)
@@ -82,7 +110,7 @@ if prompt:
     turns.append(user_turn)
     with st.chat_message("user"):
         for name, data in attach:
-            st.image(data, caption=name, width=280)
+            st.image(preview(data), caption=name, width=280)
         st.markdown(prompt)
     with st.chat_message("assistant"):
         status = st.empty()

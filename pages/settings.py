@@ -2,10 +2,10 @@
 import streamlit as st
 
 from engine import DTYPES, EngineConfig
-from ui.engine_resource import apply_settings, shared_settings
+from ui.engine_resource import apply_settings, current_settings
 
 st.title("Settings")
-current = shared_settings().config
+current = current_settings()
 st.caption("Defaults come from `.streamlit/secrets.toml` ([vlscope] table) and `VLSCOPE_*` environment variables. "
            "Changes here apply to every session of this server until it restarts.")
 
@@ -24,7 +24,7 @@ with st.form("settings_form"):
                            help="Off only for benchmarks: every token re-reads the whole sequence.")
     store_content = right.toggle("Store prompts, answers and images", current.store_content, key="set_store",
                                  help="Off: only metrics are kept.")
-    submitted = st.form_submit_button("Apply and reload", type="primary")
+    submitted = st.form_submit_button("Apply and reload", type="primary", key="apply_settings")
 
 if submitted:
     try:

@@ -1,19 +1,21 @@
 """One engine per server process, shared by every session, with a progress bar while it loads.
 
-The current settings live in a shared holder: a change on the settings page swaps the engine for everyone.
+The engine sits in a process-wide slot (st.cache_resource holds the slot, not the load: a cached function must not
+draw, and the load draws its progress). The current settings live beside it; a change swaps the engine for everyone.
 """
 from __future__ import annotations
 
-import dataclasses
 import gc
-import json
 import logging
+import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import streamlit as st
 
-from engine import Engine, EngineConfig, MetricsStore, ModelUnavailable, SKELETON_DIR
+from engine import SKELETON_DIR, Engine, EngineConfig, MetricsStore, ModelUnavailable
+from engine.model_loading import looks_like_hub_id
 
 from .settings import configured_settings
 
@@ -26,69 +28,91 @@ class LoadedEngine:
     fallback_reason: str | None  # why the synthetic skeleton stands in for the configured model
 
 
-class SharedSettings:
-    def __init__(self, config: EngineConfig):
-        self.config = config
-        self.lock = threading.Lock()
+@dataclass
+class EngineSlot:
+    config: EngineConfig  # the settings in force for every session
+    loaded: LoadedEngine | None = None
+    loaded_config: EngineConfig | None = None
+    error: str | None = None  # the last load failure for `config`; cleared by a retry
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 @st.cache_resource(show_spinner=False)
-def shared_settings() -> SharedSettings:
-    return SharedSettings(configured_settings())
+def engine_slot() -> EngineSlot:
+    return EngineSlot(configured_settings())
 
 
-def _key(config: EngineConfig) -> str:
-    return json.dumps(dataclasses.asdict(config), sort_keys=True)
+def fallback_model() -> str:
+    return os.environ.get("VLSCOPE_FALLBACK_MODEL") or str(SKELETON_DIR)
 
 
-def _release(loaded: LoadedEngine) -> None:
-    loaded.engine.close()
-
-
-@st.cache_resource(show_spinner=False, max_entries=1, on_release=_release)
-def _load(config_key: str, _config: EngineConfig, _progress) -> LoadedEngine:
+def build_engine(config: EngineConfig, progress) -> LoadedEngine:
     try:
-        return LoadedEngine(Engine(_config, progress=_progress), None)
+        return LoadedEngine(Engine(config, progress=progress), None)
     except ModelUnavailable as exc:
-        if _config.model == str(SKELETON_DIR):
+        # A hub id whose weights cannot be reached: start on the bundled skeleton and say so, rather than failing.
+        # A local folder that is wrong is the operator's mistake to see and fix, so that error is shown instead.
+        if Path(config.model).expanduser().exists() or not looks_like_hub_id(config.model):
             raise
-        # No weights reachable: start on the bundled skeleton and say so, rather than failing.
-        fallback = _config.replace(model=str(SKELETON_DIR))
-        return LoadedEngine(Engine(fallback, progress=_progress), exc.message)
+        return LoadedEngine(Engine(config.replace(model=fallback_model()), progress=progress), exc.message)
 
 
-def get_engine() -> LoadedEngine | None:
-    """The shared engine, loading it with a progress bar if needed. On failure: a message, a retry, and None."""
-    config = shared_settings().config
-    bar = st.empty()
+def _release(slot: EngineSlot) -> None:
+    if slot.loaded is not None:
+        slot.loaded.engine.close()
+        slot.loaded = slot.loaded_config = None
+        gc.collect()  # free the old weights before the new ones are allocated
 
-    def progress(fraction: float, message: str) -> None:
-        bar.progress(min(max(fraction, 0.0), 1.0), text=f"Loading model: {message}")
 
-    try:
-        loaded = _load(_key(config), config, progress)
-    except Exception as exc:  # any load failure is shown on the page; the server keeps serving
-        log.exception("model load failed")
-        bar.empty()
-        message = exc.message if hasattr(exc, "message") else f"{type(exc).__name__}: {exc}"
-        st.error(f"The model could not be loaded. {message}")
+def get_engine(show_problems: bool = True) -> LoadedEngine | None:
+    """The shared engine, loading it with a progress bar if needed. On failure: a message, a retry, and None.
+
+    The router shows load problems; pages pass show_problems=False so the message and its button appear once."""
+    slot = engine_slot()
+    if slot.loaded is not None and slot.loaded_config == slot.config:
+        return slot.loaded
+    if slot.error is None:
+        bar = st.empty()
+        if not slot.lock.acquire(blocking=False):
+            with st.spinner("The model is loading (started by another session)…"):
+                slot.lock.acquire()
+        try:
+            if slot.loaded_config != slot.config and slot.error is None:
+                _release(slot)
+                config = slot.config
+
+                def progress(fraction: float, message: str) -> None:
+                    bar.progress(min(max(fraction, 0.0), 1.0), text=f"Loading model: {message}")
+
+                try:
+                    slot.loaded, slot.loaded_config = build_engine(config, progress), config
+                except Exception as exc:  # any load failure is shown on the page; the server keeps serving
+                    log.exception("model load failed")
+                    slot.error = exc.message if hasattr(exc, "message") else f"{type(exc).__name__}: {exc}"
+        finally:
+            slot.lock.release()
+            bar.empty()
+    if slot.error is not None:
+        if not show_problems:
+            return None
+        st.error(f"The model could not be loaded. {slot.error}", icon=":material/error:")
         if st.button("Retry loading", key="retry_load"):
-            _load.clear()
+            slot.error = None
             st.rerun()
         return None
-    bar.empty()
-    return loaded
+    return slot.loaded
+
+
+def current_settings() -> EngineConfig:
+    return engine_slot().config
 
 
 def apply_settings(config: EngineConfig) -> None:
-    """Swap in new settings; the old engine is released first so two models never sit in memory together."""
-    holder = shared_settings()
-    with holder.lock:
-        if config == holder.config:
-            return
-        holder.config = config
-        _load.clear()
-        gc.collect()
+    """New settings for everyone; the next run of any page loads the engine for them."""
+    slot = engine_slot()
+    with slot.lock:
+        if config != slot.config:
+            slot.config, slot.error = config, None
 
 
 @st.cache_resource(show_spinner=False)
@@ -98,4 +122,4 @@ def _store(path: str) -> MetricsStore:
 
 def get_store() -> MetricsStore:
     """The metrics database alone: the profiling page works even when the model failed to load."""
-    return _store(shared_settings().config.db_path)
+    return _store(current_settings().db_path)

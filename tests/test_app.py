@@ -1,0 +1,169 @@
+"""The Streamlit pages through AppTest, against the tiny model: real engine, real database, no mocks."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import streamlit as st
+from streamlit.testing.v1 import AppTest
+
+from engine import ChatRequest, MetricsStore, TextChunk
+
+from .conftest import ROOT
+
+APP = str(ROOT / "streamlit_app.py")
+
+
+@pytest.fixture
+def app_env(tiny_model, tmp_path, monkeypatch):
+    for key in ("VLSCOPE_MAX_INPUT_TOKENS", "VLSCOPE_MAX_QUEUE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("VLSCOPE_MODEL", str(tiny_model))
+    monkeypatch.setenv("VLSCOPE_DB", str(tmp_path / "app.db"))
+    monkeypatch.setenv("VLSCOPE_MAX_NEW_TOKENS", "12")
+    st.cache_resource.clear()  # one engine per test, built from this test's settings
+    yield tmp_path / "app.db"
+    st.cache_resource.clear()
+
+
+def start() -> AppTest:
+    at = AppTest.from_file(APP, default_timeout=180).run()
+    assert not at.exception, [e.value for e in at.exception]
+    return at
+
+
+def ask(at: AppTest, text: str) -> AppTest:
+    at.chat_input(key="chat_prompt").set_value(text)
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    return at
+
+
+def assistant_messages(at: AppTest):
+    return [m for m in at.chat_message if m.name == "assistant"]
+
+
+def test_sample_image_question_streams_an_answer_with_stats(app_env):
+    at = start()
+    assert "Synthetic weights" not in " ".join(w.value for w in at.sidebar.warning)  # the tiny model has weights
+    at.selectbox(key="sample_image").set_value("page.png").run()
+    ask(at, "Read the text")
+    (answer,) = assistant_messages(at)
+    assert answer.markdown[0].value.strip()
+    stats = answer.caption[0].value
+    assert "TTFT" in stats and "tok/s" in stats and "vision tokens" in stats and "peak RSS" in stats
+    record = MetricsStore(app_env).recent(1, include_warmup=False)[0]
+    assert record.source == "app" and record.status == "ok" and record.vision_tokens > 0
+    assert f"{record.vision_tokens} vision tokens" in stats
+
+
+def test_upload_then_follow_up_refers_to_the_same_image(app_env, images_dir):
+    at = start()
+    at.file_uploader(key="image_upload").set_value(("rocket.jpg", (images_dir / "rocket.jpg").read_bytes(), "image/jpeg"))
+    at.run()
+    ask(at, "What is this?")
+    ask(at, "And what colour is it?")
+    users = [m for m in at.chat_message if m.name == "user"]
+    assert len(users) == 2 and len(users[0].get("image")) == 1 and len(users[1].get("image")) == 0
+    assert len(assistant_messages(at)) == 2
+    first, second = sorted(MetricsStore(app_env).recent(5, include_warmup=False), key=lambda r: r.submitted_at)
+    assert first.image_sizes == second.image_sizes == ((640, 427),)  # the follow-up still sees the image
+    assert second.prompt_tokens > first.prompt_tokens
+
+
+def test_preset_clear_and_transcript(app_env):
+    at = start()
+    at.selectbox(key="sample_image").set_value("text.png")
+    at.selectbox(key="prompt_preset").set_value("OCR").run()
+    at.button(key="ask_preset").click().run()
+    assert not at.exception
+    users = [m for m in at.chat_message if m.name == "user"]
+    assert users[0].markdown[0].value == "Extract all visible text line by line."
+    at.run()  # the transcript button is drawn before the new turn; the next run offers it
+    assert not at.get("download_button")[0].proto.disabled
+    at.button(key="clear_chat").click().run()
+    assert len(at.chat_message) == 0
+
+
+def test_bad_image_shows_a_message_not_a_traceback(app_env):
+    at = start()
+    at.file_uploader(key="image_upload").set_value(("holiday.png", b"this is not a picture", "image/png"))
+    at.run()
+    assert any("holiday.png: not an image" in e.value for e in at.error)
+    ask(at, "Describe")  # the refused file is not sent; the question still gets an answer
+    assert not at.exception and assistant_messages(at)
+    assert MetricsStore(app_env).recent(1, include_warmup=False)[0].vision_tokens == 0
+
+
+def test_too_long_prompt_and_busy_queue_are_explained(app_env, monkeypatch):
+    monkeypatch.setenv("VLSCOPE_MAX_INPUT_TOKENS", "40")
+    monkeypatch.setenv("VLSCOPE_MAX_QUEUE", "0")
+    at = start()
+    at.selectbox(key="sample_image").set_value("coffee.png").run()
+    ask(at, "Describe")
+    assert any("limit is 40" in e.value for e in at.error)
+    from ui.engine_resource import get_engine
+
+    engine = get_engine().engine  # the app's own engine: cached once per process
+    holder = engine.submit(ChatRequest(prompt="hold the model", max_new_tokens=5000))
+    events = holder.events()
+    next(e for e in events if isinstance(e, TextChunk))
+    try:
+        at.selectbox(key="sample_image").set_value("(none)").run()
+        ask(at, "Hi")
+        assert any("busy" in e.value for e in at.error)
+    finally:
+        holder.cancel()
+        list(events)
+
+
+def test_profiling_page_shows_the_new_request(app_env):
+    at = start()
+    ask(at, "Hello there")
+    record = MetricsStore(app_env).recent(1, include_warmup=False)[0]
+    at.switch_page("pages/profiling.py").run()
+    assert not at.exception
+    metrics = {m.label: m.value for m in at.metric}
+    assert metrics["requests"] == "1"  # the warm-up is hidden by default
+    charts = at.get("plotly_chart")
+    stage_chart = json.loads(charts[0].proto.spec)
+    assert any(record.id[:6] in label for trace in stage_chart["data"] for label in trace["x"])
+    assert {trace["name"] for trace in stage_chart["data"]} >= {"prefill", "decode"}
+    assert at.get("download_button")  # CSV
+    at.toggle(key="prof_warmups").set_value(True).run()
+    assert {m.label: m.value for m in at.metric}["requests"] == "2"
+
+
+def test_settings_change_reloads_the_model(app_env):
+    at = start()
+    at.switch_page("pages/settings.py").run()
+    at.selectbox(key="set_dtype").set_value("bfloat16")
+    at.button(key="apply_settings").click().run()
+    assert not at.exception
+    at.switch_page("pages/chat.py").run()
+    ask(at, "Hi")
+    assert MetricsStore(app_env).recent(1, include_warmup=False)[0].dtype == "bfloat16"
+    at = start()  # a new session sees the new settings too
+    assert {m.label: m.value for m in at.sidebar.metric}["dtype"] == "bfloat16"
+
+
+def test_unreachable_hub_model_falls_back_to_the_skeleton(app_env, tiny_skeleton, monkeypatch):
+    monkeypatch.setenv("VLSCOPE_MODEL", "Qwen/Qwen3-VL-2B-Instruct-not-here")
+    monkeypatch.setenv("VLSCOPE_FALLBACK_MODEL", str(tiny_skeleton))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    at = start()
+    warnings = " ".join(w.value for w in at.sidebar.warning)
+    assert "Running the synthetic skeleton" in warnings and "Synthetic weights" in warnings
+    ask(at, "Hi")
+    assert assistant_messages(at)
+
+
+def test_broken_model_folder_offers_a_retry(app_env, tmp_path, monkeypatch):
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    monkeypatch.setenv("VLSCOPE_MODEL", str(broken))
+    at = start()
+    assert any("could not be loaded" in e.value and "config.json" in e.value for e in at.error)
+    assert at.button(key="retry_load")
+    at.switch_page("pages/profiling.py").run()  # the rest of the app still serves
+    assert not at.exception
