@@ -72,13 +72,11 @@ for turn in turns:
         if turn.stats:
             st.caption(turn.stats)
 
-actions = st.columns([1, 1, 1, 4])
+actions = st.columns([1, 1, 5])
 ask_preset = actions[0].button(f"Ask: {preset}", key="ask_preset", disabled=not PRESETS[preset])
 if actions[1].button("Clear chat", key="clear_chat"):
     st.session_state["turns"] = []
     st.rerun()
-actions[2].download_button("Transcript", transcript(turns), file_name="vlscope-transcript.md", mime="text/markdown",
-                           key="download_transcript", disabled=not turns)
 
 typed = st.chat_input("Ask about the image", key="chat_prompt", submit_mode="stop", max_chars=8000)
 prompt = typed if typed else (PRESETS[preset] if ask_preset else None)
@@ -142,3 +140,7 @@ if prompt:
             if not answer.text and not answer.error:
                 answer.text = "".join(partial) + " _(stopped)_"
             turns.append(answer)
+
+if turns:
+    st.download_button("Download transcript", transcript(turns), file_name="vlscope-transcript.md",
+                       mime="text/markdown", key="download_transcript", icon=":material/download:")

@@ -1,0 +1,95 @@
+"""A real browser against `streamlit run`: upload, ask, watch the answer, find the request on the profiling page."""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from engine import MetricsStore
+
+from .conftest import ROOT
+
+CHROMIUM = os.environ.get("VLSCOPE_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def server(tiny_model, tmp_path):
+    port = free_port()
+    env = dict(os.environ, VLSCOPE_MODEL=str(tiny_model), VLSCOPE_DB=str(tmp_path / "browser.db"),
+               VLSCOPE_MAX_NEW_TOKENS="24")
+    log = open(tmp_path / "streamlit.log", "w")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "streamlit", "run", "streamlit_app.py", "--server.port", str(port),
+         "--server.address", "127.0.0.1", "--server.headless", "true"],
+        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            if urllib.request.urlopen(f"{url}/_stcore/health", timeout=2).read() == b"ok":
+                break
+        except OSError:
+            time.sleep(0.5)
+    else:
+        process.kill()
+        pytest.fail("streamlit did not come up: " + (tmp_path / "streamlit.log").read_text()[-2000:])
+    yield url, tmp_path / "browser.db"
+    process.terminate()
+    process.wait(20)
+    log.close()
+
+
+def test_upload_ask_stream_and_profile(server, images_dir, tmp_path):
+    if not Path(CHROMIUM).exists():
+        pytest.fail(f"Chromium not found at {CHROMIUM}: install Debian's chromium (see .ci/run)")
+    from playwright.sync_api import expect, sync_playwright
+
+    url, db = server
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto(url, wait_until="domcontentloaded")
+        expect(page.get_by_role("heading", name="Chat")).to_be_visible(timeout=120_000)
+
+        page.locator('[data-testid="stFileUploaderDropzoneInput"]').set_input_files(str(images_dir / "page.png"))
+        expect(page.get_by_text("page.png").first).to_be_visible(timeout=30_000)
+        box = page.get_by_test_id("stChatInputTextArea")
+        box.fill("Read the text")
+        box.press("Enter")
+
+        assistant = page.get_by_test_id("stChatMessage").nth(1)
+        expect(assistant.get_by_text("TTFT")).to_be_visible(timeout=120_000)
+        answer = assistant.get_by_test_id("stMarkdownContainer").first.inner_text()
+        assert answer.strip()
+        record = MetricsStore(db).recent(1, include_warmup=False)[0]
+        assert record.status == "ok" and record.source == "app" and record.image_sizes == ((384, 191),)
+        page.screenshot(path=str(tmp_path / "chat.png"))
+
+        page.get_by_role("link", name="Profiling").click()
+        expect(page.get_by_role("heading", name="Profiling")).to_be_visible(timeout=30_000)
+        chart = page.locator(".js-plotly-plot").first
+        expect(chart).to_be_visible(timeout=30_000)
+        expect(chart.get_by_text(record.id[:6])).to_be_visible(timeout=30_000)  # that request's bar
+        page.screenshot(path=str(tmp_path / "profiling.png"), full_page=True)
+        if os.environ.get("VLSCOPE_SCREENSHOTS"):
+            target = Path(os.environ["VLSCOPE_SCREENSHOTS"])
+            target.mkdir(parents=True, exist_ok=True)
+            shutil.copy(tmp_path / "chat.png", target / "chat.png")
+            shutil.copy(tmp_path / "profiling.png", target / "profiling.png")
+        browser.close()
