@@ -190,7 +190,7 @@ class Engine:
 
     def _run(self, job: Job) -> None:
         """Worker thread: one request from queue exit to metrics."""
-        queue_wait = time.perf_counter() - job.submitted_perf
+        queue_wait = time.perf_counter() - job.enqueued_perf
         facts: dict = {"queue_wait_s": queue_wait, "started_at": time.time()}
         result: BaseException | None = None
         status = "ok"

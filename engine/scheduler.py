@@ -26,6 +26,7 @@ class Job:
         self.request = request
         self.submitted_at = time.time()
         self.submitted_perf = time.perf_counter()
+        self.enqueued_perf = self.submitted_perf  # set again when it enters the queue, after its images are checked
         self.clock = StageClock()
         self.images: list = []  # LoadedImage, in conversation order
         self.events: queue.Queue = queue.Queue()
@@ -72,6 +73,7 @@ class RequestQueue:
                     f"The server is busy: {len(self._waiting) + 1} requests are ahead and the queue holds "
                     f"{self.max_waiting}. Try again in a moment."
                 )
+            job.enqueued_perf = time.perf_counter()
             self._waiting.append(job)
             self._tell_positions()
             self._condition.notify_all()
