@@ -45,11 +45,27 @@ def next_positions(text_position: int, rope_delta: int, count: int = 1) -> torch
     return torch.cat([text, (text + rope_delta).expand(3, 1, -1)], dim=0)
 
 
+def next_token_logits(model, hidden: torch.Tensor) -> torch.Tensor:
+    """The LM head on the last position only.
+
+    The row is re-laid out with plain strides first: a (1, 1, hidden) view of a longer sequence keeps the long
+    stride on its size-1 dimension, and the CPU matmul then takes seconds instead of milliseconds (measured:
+    3.3 s against 22 ms for the 151,936 x 2,048 bfloat16 head). This is why transformers' logits_to_keep is not used.
+    """
+    return model.lm_head(hidden[0, -1].unsqueeze(0))
+
+
+def run_language_model(model, **inputs) -> torch.Tensor:
+    """Qwen3-VL minus its LM head: the last hidden states."""
+    return model.model(**inputs).last_hidden_state
+
+
 def prefill(model, prompt: PromptTokens, vision, image_grid_thw, use_cache: bool) -> tuple[torch.Tensor, DecodeState]:
     """The language model over the whole prompt; returns the logits of the last position and the decode state."""
     positions, rope_delta = prompt_positions(model, prompt, image_grid_thw)
     cache = DynamicCache(config=model.config.get_text_config()) if use_cache else None
-    output = model(
+    hidden = run_language_model(
+        model,
         input_ids=prompt.input_ids,
         position_ids=positions,
         cache=cache,
@@ -57,7 +73,6 @@ def prefill(model, prompt: PromptTokens, vision, image_grid_thw, use_cache: bool
         mm_token_type_ids=prompt.mm_token_type_ids,
         image_grid_thw=image_grid_thw,
         mm_encoder_outputs={"image": vision} if vision is not None else None,
-        logits_to_keep=1,
     )
     state = DecodeState(
         cache=cache,
@@ -68,7 +83,7 @@ def prefill(model, prompt: PromptTokens, vision, image_grid_thw, use_cache: bool
         mm_token_type_ids=None if use_cache else prompt.mm_token_type_ids,
         image_grid_thw=None if use_cache else image_grid_thw,
     )
-    return output.logits[:, -1, :], state
+    return next_token_logits(model, hidden), state
 
 
 def decode_one_token(model, state: DecodeState, token: int) -> torch.Tensor:
@@ -79,19 +94,20 @@ def decode_one_token(model, state: DecodeState, token: int) -> torch.Tensor:
     state.tokens = torch.cat([state.tokens, new_token], dim=1)
     state.positions = torch.cat([state.positions, new_positions], dim=2)
     if state.cache is not None:
-        output = model(input_ids=new_token, position_ids=new_positions, cache=state.cache, use_cache=True)
+        hidden = run_language_model(model, input_ids=new_token, position_ids=new_positions, cache=state.cache,
+                                    use_cache=True)
     else:
         state.mm_token_type_ids = torch.cat([state.mm_token_type_ids, torch.zeros_like(new_token, dtype=torch.int32)], 1)
-        output = model(
+        hidden = run_language_model(
+            model,
             input_ids=state.tokens,
             position_ids=state.positions,
             use_cache=False,
             mm_token_type_ids=state.mm_token_type_ids,
             image_grid_thw=state.image_grid_thw,
             mm_encoder_outputs={"image": state.vision} if state.vision is not None else None,
-            logits_to_keep=1,
         )
-    return output.logits[:, -1, :]
+    return next_token_logits(model, hidden)
 
 
 def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
