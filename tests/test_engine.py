@@ -13,6 +13,7 @@ from engine.generate import decode_n_tokens, encode_images, prefill, sample
 from engine.images import fit_to_budget, load_image
 from engine.model_loading import load_model
 from engine.preprocess import chat_messages, patchify_images, tokenize_prompt
+from engine.quantize import Int8Linear
 
 GREEDY = (0.0, 1.0, None)
 
@@ -90,9 +91,11 @@ def test_bf16_int8_and_no_kv_cache_run(make_engine, images_dir):
         metrics = engine.ask(request).metrics
         assert metrics.status == "ok" and metrics.output_tokens == 6, settings
         assert metrics.dtype == engine.config.dtype and metrics.kv_cache == engine.config.kv_cache
-    int8_layer = make_engine(dtype="int8").loaded.model.model.language_model.layers[0].mlp.up_proj.weight
-    engine_layer = make_engine().loaded.model.model.language_model.layers[0].mlp.up_proj.weight
-    assert type(int8_layer) is not type(engine_layer)  # really quantized, not float32 under another name
+    int8, plain = make_engine(dtype="int8").loaded, make_engine().loaded
+    layer = int8.model.model.language_model.layers[0].mlp.up_proj
+    assert isinstance(layer, Int8Linear) and layer.weight.dtype == torch.int8  # really quantized
+    assert isinstance(int8.model.lm_head, Int8Linear)
+    assert int8.weight_bytes < plain.weight_bytes
 
 
 def test_too_long_prompt_is_refused_before_compute(make_engine, images_dir):
@@ -232,3 +235,19 @@ def test_config_from_env():
         EngineConfig.from_env({"VLSCOPE_THREADS": "many"})
     with pytest.raises(ValueError, match="dtype"):
         EngineConfig(dtype="int4")
+
+
+def test_int8_linear_matches_dequantised_weights():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 96)
+    quantized = Int8Linear(linear.weight, linear.bias)
+    dequantised = quantized.weight.float() * quantized.scales.float()[:, None]
+    # half a step of rounding, plus the bfloat16 rounding of the scales (8 bits of mantissa)
+    bound = quantized.scales.float().max() / 2 + linear.weight.abs().max() * 2**-8
+    assert (dequantised - linear.weight).abs().max() <= bound
+    for rows in (1, 40):  # the int8 kernel path and the dequantised matmul path
+        x = torch.randn(1, rows, 64)
+        expected = torch.nn.functional.linear(x, dequantised, linear.bias.detach())
+        got = quantized(x.bfloat16()).float()
+        assert got.shape == (1, rows, 96)
+        assert torch.allclose(got, expected, atol=0.1, rtol=0.05)
