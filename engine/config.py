@@ -32,6 +32,8 @@ class EngineConfig:
     dtype: str = "float32"
     threads: int = dataclasses.field(default_factory=default_threads)
     kv_cache: bool = True
+    # Recent conversations whose KV cache is kept, so a follow-up skips re-encoding and re-prefilling them.
+    prefix_cache_entries: int = 2
     # Image token budget. The upper bound keeps any single image at or under 1,024 vision tokens.
     min_pixels: int = 64 * PIXELS_PER_VISION_TOKEN
     max_pixels: int = 1024 * PIXELS_PER_VISION_TOKEN

@@ -23,7 +23,8 @@ from .generate import decode_n_tokens, encode_images, prefill, sample
 from .images import enhance_for_ocr, fit_to_budget, load_image, vision_token_count
 from .metrics import RequestMetrics, RssSampler, current_rss
 from .model_loading import LoadedModel, ProgressCallback, load_model
-from .preprocess import chat_messages, patchify_images, tokenize_prompt
+from .prefix_cache import CachedSequence, PrefixCache, image_spans
+from .preprocess import chat_messages, image_grids, patchify_images, tokenize_prompt
 from .request import ChatRequest, Queued, StageStarted, TextChunk
 from .scheduler import Job, RequestQueue
 from .store import MetricsStore
@@ -117,6 +118,7 @@ class Engine:
             context_length=int(text_config.max_position_embeddings),
         )
         self._generator = torch.Generator().manual_seed(self.config.seed)
+        self._prefix_cache = PrefixCache(self.config.prefix_cache_entries if self.config.kv_cache else 0)
         self._queue = RequestQueue(self._run, max_waiting=self.config.max_queue)
         if self.config.warmup:
             report(0.97, "Warm-up request")
@@ -234,7 +236,16 @@ class Engine:
             facts.update(resized_sizes=tuple(sizes), vision_tokens=sum(vision_token_count(s) for s in sizes),
                          prompt_tokens=prompt_tokens)
             self._check_length(prompt_tokens, max_new_tokens)
-            patches = patchify_images(loaded.image_processor, pictures, sizes) if pictures else None
+            keys = tuple(f"{image.sha256}/{int(request.enhance_for_ocr)}/{w}x{h}"
+                         for image, (w, h) in zip(job.images, sizes))
+            spans = image_spans(prompt.mm_token_type_ids)
+            reused, start = self._prefix_cache.take(prompt.input_ids, keys, spans) if config.kv_cache else (None, 0)
+            facts["cached_prompt_tokens"] = start
+            # Only images after the reused prefix are encoded again.
+            fresh = [index for index, (first, _) in enumerate(spans) if first >= start]
+            patches = patchify_images(loaded.image_processor, [pictures[i] for i in fresh],
+                                      [sizes[i] for i in fresh]) if fresh else None
+            all_grids = image_grids(sizes)
 
         vision = None
         if patches is not None:
@@ -251,8 +262,16 @@ class Engine:
             self._generator,
         )
         with job.clock.stage("prefill"):
-            logits, state = prefill(model, prompt, vision, patches.image_grid_thw if patches else None, config.kv_cache)
+            logits, state = prefill(model, prompt, vision, all_grids, config.kv_cache,
+                                    cache=reused.cache if reused else None, start=start)
             token = sample(logits, *sampling)
+        status = self._decode(job, state, token, sampling, max_new_tokens, facts)
+        if state.cache is not None:  # prompt and answer so far: the start of this conversation's next turn
+            self._prefix_cache.put(CachedSequence(state.tokens, state.cache, keys, spans))
+        return status
+
+    def _decode(self, job: Job, state, token: int, sampling, max_new_tokens: int, facts: dict) -> str:
+        loaded, emit, model = self.loaded, job.events.put, self.loaded.model
 
         detokenizer = Detokenizer(loaded.tokenizer)
         stop_ids = set(loaded.eos_token_ids)

@@ -60,18 +60,23 @@ def run_language_model(model, **inputs) -> torch.Tensor:
     return model.model(**inputs).last_hidden_state
 
 
-def prefill(model, prompt: PromptTokens, vision, image_grid_thw, use_cache: bool) -> tuple[torch.Tensor, DecodeState]:
-    """The language model over the whole prompt; returns the logits of the last position and the decode state."""
+def prefill(model, prompt: PromptTokens, vision, image_grid_thw, use_cache: bool,
+            cache: DynamicCache | None = None, start: int = 0) -> tuple[torch.Tensor, DecodeState]:
+    """The language model over the prompt; returns the logits of the last position and the decode state.
+
+    With `cache` holding the prompt's first `start` tokens (a reused conversation prefix), only the rest runs;
+    `vision` then covers just the images after `start`. `image_grid_thw` always lists every image of the prompt:
+    the 3D positions depend on all of them."""
     positions, rope_delta = prompt_positions(model, prompt, image_grid_thw)
-    cache = DynamicCache(config=model.config.get_text_config()) if use_cache else None
+    if cache is None and use_cache:
+        cache = DynamicCache(config=model.config.get_text_config())
     hidden = run_language_model(
         model,
-        input_ids=prompt.input_ids,
-        position_ids=positions,
+        input_ids=prompt.input_ids[:, start:],
+        position_ids=positions[:, :, start:],
         cache=cache,
         use_cache=use_cache,
-        mm_token_type_ids=prompt.mm_token_type_ids,
-        image_grid_thw=image_grid_thw,
+        mm_token_type_ids=prompt.mm_token_type_ids[:, start:],
         mm_encoder_outputs={"image": vision} if vision is not None else None,
     )
     state = DecodeState(

@@ -37,6 +37,7 @@ class RequestMetrics:
     resized_sizes: tuple[tuple[int, int], ...] = ()
     vision_tokens: int = 0
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # leading prompt tokens served from an earlier request's KV cache
     output_tokens: int = 0
     # time, seconds
     started_at: float | None = None  # unix time the worker took it; None if it never ran

@@ -55,6 +55,13 @@ def tokenize_prompt(tokenizer, messages: list[dict], resized_sizes: list[tuple[i
     return PromptTokens(input_ids=input_ids, mm_token_type_ids=(input_ids == image_token_id).to(torch.int32))
 
 
+def image_grids(resized_sizes: list[tuple[int, int]]) -> torch.Tensor | None:
+    """(images, 3) grid of 16-pixel patches per image, from the sizes alone: what the 3D positions need."""
+    if not resized_sizes:
+        return None
+    return torch.tensor([[1, height // 16, width // 16] for width, height in resized_sizes], dtype=torch.int64)
+
+
 def patchify_images(image_processor, images: list[Image.Image], resized_sizes: list[tuple[int, int]]) -> ImagePatches:
     """Resize with PIL (C, on uint8) to the budgeted sizes, then normalise and cut into patches in one numpy pass."""
     resized = [

@@ -251,3 +251,38 @@ def test_int8_linear_matches_dequantised_weights():
         got = quantized(x.bfloat16()).float()
         assert got.shape == (1, rows, 96)
         assert torch.allclose(got, expected, atol=0.1, rtol=0.05)
+
+
+def test_follow_up_reuses_the_conversation_and_matches_a_fresh_run(make_engine, images_dir):
+    """Same answer with and without the prefix cache; with it, the image is not encoded again."""
+    image = images_dir / "coffee.png"
+    first_request = ChatRequest(prompt="Describe", images=(image,), max_new_tokens=6)
+
+    def conversation(engine):
+        first = engine.ask(first_request)
+        follow_up = engine.ask(ChatRequest(prompt="What colour is the cup?", max_new_tokens=6, history=(
+            Turn("user", "Describe", (image,)), Turn("assistant", first.text))))
+        return first, follow_up
+
+    cached_first, cached = conversation(make_engine())
+    fresh_first, fresh = conversation(make_engine(prefix_cache_entries=0))
+    assert cached.text == fresh.text and cached_first.text == fresh_first.text
+    assert fresh.metrics.cached_prompt_tokens == 0 and "vision_encode" in fresh.metrics.stages
+    assert "vision_encode" not in cached.metrics.stages
+    assert cached.metrics.cached_prompt_tokens > cached_first.metrics.vision_tokens
+    assert cached.metrics.prompt_tokens == fresh.metrics.prompt_tokens
+
+
+def test_a_different_image_is_never_served_from_the_cache(engine, images_dir):
+    """Same size, same tokens, other pixels: the placeholders match, the image must not."""
+    from PIL import Image, ImageOps
+
+    original = Image.open(images_dir / "coffee.png").convert("RGB")
+    mirrored = ImageOps.mirror(original)
+    first = engine.ask(ChatRequest(prompt="Describe", images=(original,), max_new_tokens=3))
+    other = engine.ask(ChatRequest(prompt="Describe", images=(mirrored,), max_new_tokens=3))
+    assert other.metrics.prompt_tokens == first.metrics.prompt_tokens
+    assert "vision_encode" in other.metrics.stages
+    assert other.metrics.cached_prompt_tokens < other.metrics.prompt_tokens - other.metrics.vision_tokens
+    again = engine.ask(ChatRequest(prompt="Describe", images=(mirrored,), max_new_tokens=3))
+    assert "vision_encode" not in again.metrics.stages and again.metrics.cached_prompt_tokens > 0
