@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 from .config import DTYPES, SKELETON_DIR, EngineConfig
 
@@ -90,6 +91,30 @@ def cmd_make_tiny(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    import datetime as dt
+    import os
+    from pathlib import Path
+
+    from .bench import default_model, run_bench
+    from .config import PROJECT_DIR
+
+    shared = Path(os.environ.get("VLSCOPE_SHARED", PROJECT_DIR.parent / "shared")) / "images"
+    images = Path(args.images) if args.images else (shared if shared.is_dir() else PROJECT_DIR / "samples")
+    out = Path(args.out) if args.out else Path("bench-results") / dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    repeats = args.repeats or (2 if args.quick else 5)
+    started = time.perf_counter()
+    document = run_bench(args.model or default_model(), args.quick, repeats, images, out,
+                         args.db or EngineConfig.from_env().db_path,
+                         lambda fraction, message: print(f"[{time.perf_counter() - started:6.0f}s {fraction * 100:3.0f}%] "
+                                                         f"{message}", file=sys.stderr, flush=True),
+                         drift=not args.no_drift)
+    print((out / "bench.md").read_text())
+    print(f"wrote {out}/bench.json, bench.md, bench.html in {time.perf_counter() - started:.0f} s "
+          f"({len(document['cases'])} cases)", file=sys.stderr)
+    return 0
+
+
 def _fail(exc: BaseException) -> int:
     print(f"error: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", file=sys.stderr)
     return 2
@@ -120,6 +145,16 @@ def main(argv: list[str] | None = None) -> int:
     tiny.add_argument("outdir")
     tiny.add_argument("--skeleton", default=str(SKELETON_DIR))
     tiny.set_defaults(run=cmd_make_tiny)
+
+    bench = commands.add_parser("bench", help="measure precision, threads, image sizes and paths on this CPU")
+    bench.add_argument("--quick", action="store_true", help="the small sweep (under 10 minutes on 2 cores)")
+    bench.add_argument("--model", help="default: VLSCOPE_MODEL if it has weights, else the bundled skeleton")
+    bench.add_argument("--repeats", type=int, help="measured runs per case (default 2 quick, 5 full)")
+    bench.add_argument("--images", help="folder with astronaut.png or coffee.png (default ../shared/images)")
+    bench.add_argument("--out", help="output folder (default bench-results/<time>)")
+    bench.add_argument("--db", help="metrics database for the engine's records")
+    bench.add_argument("--no-drift", action="store_true", help="skip the precision drift measurement")
+    bench.set_defaults(run=cmd_bench)
 
     args = parser.parse_args(argv)
     return args.run(args)

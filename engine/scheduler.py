@@ -112,7 +112,11 @@ class RequestQueue:
                     self._running = None
                     self._tell_positions()
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stop taking requests; waiting ones are left to their callers' cancel. Joins the worker so that
+        nothing keeps the engine (and its weights) alive."""
         with self._condition:
             self._closed = True
             self._condition.notify_all()
+        if threading.current_thread() is not self._worker:
+            self._worker.join(timeout_s)

@@ -1,0 +1,433 @@
+"""`python -m engine bench`: what a request costs on this CPU, per precision, thread count, image size and path.
+
+Every figure is measured in the run: the machine's ceilings (memory bandwidth, matmul rate), vlscope's tuned path,
+a plain transformers baseline, and the numerical drift of each precision against float32. Warm-up runs are
+excluded; each case is repeated and reported as median and p95. Output: JSON, a markdown table, a plotly HTML.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import gc
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+from PIL import Image
+
+from .advisor import advise
+from .config import SKELETON_DIR, EngineConfig
+from .engine import Engine
+from .images import fit_to_budget
+from .metrics import RequestMetrics, RssSampler
+from .model_loading import has_weights, load_model
+from .preprocess import chat_messages, image_grids, patchify_images, tokenize_prompt
+from .quantize import Int8Linear
+from .request import ChatRequest, Turn
+from .system import system_report
+
+PROMPT = "Describe this image."
+FOLLOW_UPS = ("What colours stand out?", "Is there any text in it?")
+IMAGE_SIZES = {"448x448": (448, 448), "1280x960": (1280, 960), "1920x1080": (1920, 1080), "4000x3000": (4000, 3000)}
+
+Report = Callable[[float, str], None]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One benchmarked situation: engine settings, image, answer length, turns."""
+
+    name: str
+    group: str  # precision, baseline, threads, image_size, kv_cache, multi_turn
+    dtype: str = "float32"
+    threads: int | None = None
+    kv_cache: bool = True
+    image: str = "448x448"
+    max_new_tokens: int = 128
+    turns: int = 1
+    baseline: bool = False  # plain transformers generate instead of the engine
+
+    def engine_key(self) -> tuple:
+        return (self.dtype, self.threads, self.kv_cache)
+
+
+@dataclass
+class CaseResult:
+    case: Case
+    runs: list[dict] = field(default_factory=list)  # one metrics record per measured repetition (or turn)
+    load_s: float | None = None
+    summary: dict = field(default_factory=dict)
+
+
+# ---- the machine's ceilings ------------------------------------------------------------------------------------
+
+def measure_ceilings(threads: int) -> dict:
+    """Memory bandwidth (read of a tensor much larger than the caches) and matmul rates at model-like shapes."""
+    torch.set_num_threads(threads)
+    big = torch.ones(256 * 1024 * 1024 // 4 * 8)  # 2 GiB of float32
+    best = min(_timed(lambda: big.sum()) for _ in range(3))
+    bandwidth = big.numel() * 4 / best / 1e9
+    del big
+    rates = {}
+    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        a, b = torch.randn(256, 2048).to(dtype), torch.randn(2048, 6144).to(dtype)
+        seconds = min(_timed(lambda: a @ b) for _ in range(5))
+        rates[name] = 2 * 256 * 2048 * 6144 / seconds / 1e9
+    return {"memory_read_gb_per_s": bandwidth, "matmul_gflops": rates}
+
+
+def _timed(fn) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def language_model_weight_bytes(model) -> int:
+    """Bytes a decode step reads: every Linear of the language model plus the LM head (the vision tower is idle)."""
+    total = 0
+    modules = list(model.model.language_model.modules()) + [model.lm_head]
+    for module in modules:
+        if isinstance(module, (torch.nn.Linear, Int8Linear)):
+            total += sum(t.numel() * t.element_size() for t in module.buffers() if t is not None)
+            total += sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
+    return total
+
+
+def language_model_params(model) -> int:
+    modules = list(model.model.language_model.modules()) + [model.lm_head]
+    return sum(m.in_features * m.out_features for m in modules if isinstance(m, (torch.nn.Linear, Int8Linear)))
+
+
+# ---- workloads -------------------------------------------------------------------------------------------------
+
+def bench_image(size_name: str, images_dir: Path) -> Image.Image:
+    """A real photo at the benchmark size (the 4000x3000 case is a photo-sized upscale, as phones produce)."""
+    source = images_dir / "astronaut.png"
+    if not source.exists():
+        source = images_dir / "coffee.png"
+    photo = Image.open(source).convert("RGB")
+    return photo.resize(IMAGE_SIZES[size_name], Image.BICUBIC)
+
+
+def run_engine_case(engine: Engine, case: Case, image: Image.Image, repeats: int) -> list[dict]:
+    records = []
+    for _ in range(repeats):
+        history: list[Turn] = []
+        prompts = (PROMPT,) + FOLLOW_UPS[: case.turns - 1]
+        for turn, prompt in enumerate(prompts):
+            images = (image,) if turn == 0 else ()
+            answer = engine.ask(ChatRequest(prompt=prompt, images=images, history=tuple(history),
+                                            max_new_tokens=case.max_new_tokens, source="bench"))
+            record = answer.metrics.to_dict()
+            record["turn"] = turn + 1
+            records.append(record)
+            history += [Turn("user", prompt, images), Turn("assistant", answer.text)]
+    return records
+
+
+def run_baseline_case(model_source: str, case: Case, image: Image.Image, threads: int) -> tuple[float, list[dict]]:
+    """What a first deployment does: load, the processor's default image budget, model.generate, no warm-up."""
+    from transformers import TextStreamer
+
+    config = EngineConfig(model=model_source, dtype=case.dtype, threads=threads, warmup=False)
+    with RssSampler() as rss:
+        started = time.perf_counter()
+        loaded = load_model(config)
+        load_s = time.perf_counter() - started
+        processor = loaded.image_processor
+        size = processor.size
+        resized = fit_to_budget(*image.size, size["shortest_edge"], size["longest_edge"])
+        request_started = time.perf_counter()
+        prompt = tokenize_prompt(loaded.tokenizer, chat_messages((), PROMPT, [1]), [resized], loaded.image_token_id)
+        patches = patchify_images(processor, [image], [resized])
+        token_times: list[float] = []
+
+        class Clock(TextStreamer):
+            def put(self, value):  # the first call carries the prompt, later ones one new token each
+                token_times.append(time.perf_counter())
+
+            def end(self):
+                pass
+
+        with torch.inference_mode():
+            output = loaded.model.generate(
+                input_ids=prompt.input_ids, attention_mask=torch.ones_like(prompt.input_ids),
+                mm_token_type_ids=prompt.mm_token_type_ids, pixel_values=patches.pixel_values,
+                image_grid_thw=patches.image_grid_thw, max_new_tokens=case.max_new_tokens, do_sample=False,
+                streamer=Clock(loaded.tokenizer), use_cache=case.kv_cache,
+            )
+        finished = time.perf_counter()
+    generated = output.shape[1] - prompt.input_ids.shape[1]
+    new_token_times = token_times[1:]
+    ttft = new_token_times[0] - request_started if new_token_times else None
+    decode_s = new_token_times[-1] - new_token_times[0] if len(new_token_times) > 1 else None
+    record = {
+        "status": "ok", "synthetic": loaded.synthetic, "dtype": case.dtype, "threads": threads,
+        "vision_tokens": int(prompt.mm_token_type_ids.sum()), "prompt_tokens": prompt.input_ids.shape[1],
+        "output_tokens": generated, "ttft_s": ttft, "e2e_s": finished - request_started,
+        "decode_tokens_per_s": (len(new_token_times) - 1) / decode_s if decode_s else None,
+        "rss_before_bytes": rss.before, "rss_peak_bytes": rss.peak, "rss_after_bytes": rss.after,
+        "weight_bytes": loaded.weight_bytes, "stages": {}, "turn": 1,
+    }
+    del loaded, output
+    gc.collect()
+    return load_s, [record]
+
+
+# ---- drift of each precision against float32 ------------------------------------------------------------------
+
+def measure_drift(model_source: str, image: Image.Image, dtypes: list[str], new_tokens: int, threads: int,
+                  report: Report) -> dict:
+    """Teacher-forced on float32's own greedy answer: how often each precision picks float32's top token, and
+    the largest logit difference, over the prompt's text positions and the generated ones."""
+    sequences: dict = {}
+    reference_logits = None
+    results = {}
+    for dtype in ["float32"] + [d for d in dtypes if d != "float32"]:
+        report(0, f"drift: {dtype}")
+        loaded = load_model(EngineConfig(model=model_source, dtype=dtype, threads=threads, warmup=False))
+        resized = fit_to_budget(*image.size, 64 * 1024, 1024 * 1024)
+        prompt = tokenize_prompt(loaded.tokenizer, chat_messages((), PROMPT, [1]), [resized], loaded.image_token_id)
+        patches = patchify_images(loaded.image_processor, [image], [resized])
+        with torch.inference_mode():
+            if "tokens" not in sequences:
+                output = loaded.model.generate(
+                    input_ids=prompt.input_ids, attention_mask=torch.ones_like(prompt.input_ids),
+                    mm_token_type_ids=prompt.mm_token_type_ids, pixel_values=patches.pixel_values,
+                    image_grid_thw=patches.image_grid_thw, max_new_tokens=new_tokens, do_sample=False)
+                sequences["tokens"] = output
+            tokens = sequences["tokens"]
+            types = torch.zeros_like(tokens, dtype=torch.int32)
+            types[:, : prompt.input_ids.shape[1]] = prompt.mm_token_type_ids
+            hidden = loaded.model.model(input_ids=tokens, mm_token_type_ids=types, pixel_values=patches.pixel_values,
+                                        image_grid_thw=patches.image_grid_thw, use_cache=False).last_hidden_state
+            text_positions = (types[0] == 0).nonzero().view(-1)[:-1]  # predictions made at text positions
+            logits = loaded.model.lm_head(hidden[0, text_positions].contiguous()).float()
+        if reference_logits is None:
+            reference_logits = logits
+        else:
+            top1 = (logits.argmax(-1) == reference_logits.argmax(-1)).float().mean().item()
+            results[dtype] = {"top1_agreement": top1,
+                              "max_abs_logit_error": (logits - reference_logits).abs().max().item(),
+                              "positions": int(logits.shape[0])}
+        del loaded
+        gc.collect()
+    return results
+
+
+# ---- the sweep -------------------------------------------------------------------------------------------------
+
+def plan(quick: bool, cores: int) -> list[Case]:
+    tokens = 32 if quick else 128
+    cases = [Case(f"tuned {d}", "precision", dtype=d, max_new_tokens=tokens) for d in ("float32", "bfloat16", "int8")]
+    cases += [Case(f"baseline {d}", "baseline", dtype=d, max_new_tokens=tokens, baseline=True)
+              for d in (("float32",) if quick else ("float32", "bfloat16"))]
+    cases.append(Case("multi-turn float32", "multi_turn", max_new_tokens=16 if quick else 64, turns=3))
+    if quick:
+        cases.append(Case("multi-turn bfloat16", "multi_turn", dtype="bfloat16", max_new_tokens=16, turns=3))
+        return cases
+    cases += [Case(f"threads {n}", "threads", threads=n, max_new_tokens=tokens) for n in range(1, cores + 1)
+              if n != cores]
+    cases += [Case(f"image {name} {d}", "image_size", dtype=d, image=name, max_new_tokens=32)
+              for d in ("float32", "bfloat16") for name in IMAGE_SIZES if name != "448x448"]
+    cases += [Case(f"no KV cache {d}", "kv_cache", dtype=d, kv_cache=False, max_new_tokens=8) for d in ("float32", "bfloat16")]
+    cases.append(Case("multi-turn bfloat16", "multi_turn", dtype="bfloat16", max_new_tokens=64, turns=3))
+    return cases
+
+
+def summarize(result: CaseResult, ceilings: dict, lm_bytes: int | None, lm_params: int | None) -> dict:
+    runs = result.runs
+    first_turns = [r for r in runs if r.get("turn", 1) == 1]
+
+    def stat(values):
+        values = [v for v in values if v is not None]
+        if not values:
+            return None
+        return {"median": float(statistics.median(values)), "p95": float(np.percentile(values, 95))}
+
+    summary = {
+        "ttft_s": stat([r["ttft_s"] for r in first_turns]),
+        "decode_tokens_per_s": stat([r["decode_tokens_per_s"] for r in runs]),
+        "e2e_s": stat([r["e2e_s"] for r in first_turns]),
+        "rss_peak_bytes": max(r["rss_peak_bytes"] for r in runs),
+        "vision_tokens": first_turns[0]["vision_tokens"],
+        "prompt_tokens": first_turns[0]["prompt_tokens"],
+        "output_tokens": first_turns[0]["output_tokens"],
+        "stages": {name: stat([r["stages"].get(name) for r in first_turns])
+                   for name in sorted({k for r in first_turns for k in r["stages"]})},
+        "load_s": result.load_s,
+    }
+    if result.case.turns > 1:
+        summary["follow_up_ttft_s"] = stat([r["ttft_s"] for r in runs if r.get("turn", 1) > 1])
+    rate = summary["decode_tokens_per_s"]
+    if lm_bytes and rate:
+        ceiling = ceilings["memory_read_gb_per_s"] * 1e9 / lm_bytes
+        summary["decode_ceiling_tokens_per_s"] = ceiling
+        summary["decode_fraction_of_bandwidth_ceiling"] = rate["median"] / ceiling
+    prefill = summary["stages"].get("prefill")
+    if lm_params and prefill and result.case.kv_cache:
+        flops = 2 * lm_params * summary["prompt_tokens"]
+        compute_dtype = "float32" if result.case.dtype == "float32" else "bfloat16"
+        achieved = flops / prefill["median"] / 1e9
+        summary["prefill_gflops"] = achieved
+        summary["prefill_fraction_of_compute_ceiling"] = achieved / ceilings["matmul_gflops"][compute_dtype]
+    return summary
+
+
+def default_model() -> str:
+    """Real weights when the configured model has them, else the bundled synthetic skeleton."""
+    configured = EngineConfig.from_env().model
+    if Path(configured).is_dir() and has_weights(Path(configured)):
+        return configured
+    return str(SKELETON_DIR)
+
+
+def run_bench(model: str, quick: bool, repeats: int, images_dir: Path, out_dir: Path, db_path: str,
+              report: Report, drift: bool = True) -> dict:
+    machine = system_report()
+    threads = machine.physical_cores
+    cases = plan(quick, threads)
+    total_steps = len(cases) + 2 + int(drift)
+    step = 0
+
+    def advance(message: str) -> None:
+        nonlocal step
+        step += 1
+        report(step / total_steps, message)
+
+    report(0.0, "measuring the machine's ceilings")
+    ceilings = measure_ceilings(threads)
+    advice = advise(machine)
+    advance("ceilings measured")
+    results: list[CaseResult] = []
+    lm_facts: dict[str, tuple[int, int]] = {}
+    engines: dict[tuple, Engine] = {}
+    for case in cases:
+        image = bench_image(case.image, images_dir)
+        case_threads = case.threads or threads
+        if case.baseline:
+            for other in list(engines):
+                engines.pop(other).close()
+            gc.collect()
+            load_s, runs = run_baseline_case(model, case, image, case_threads)
+            results.append(CaseResult(case, runs, load_s))
+        else:
+            engine = engines.get(case.engine_key())
+            if engine is None:
+                for other in list(engines):  # one model in memory at a time
+                    engines.pop(other).close()
+                gc.collect()
+                config = EngineConfig(model=model, dtype=case.dtype, threads=case_threads, kv_cache=case.kv_cache,
+                                      db_path=db_path, max_queue=1)
+                engine = Engine(config)
+                engines[case.engine_key()] = engine
+                lm_facts[case.dtype] = (language_model_weight_bytes(engine.loaded.model),
+                                        language_model_params(engine.loaded.model))
+            runs = run_engine_case(engine, case, image, repeats)
+            results.append(CaseResult(case, runs, engine.info.load_seconds))
+        bytes_, params = lm_facts.get(case.dtype, (None, None))
+        results[-1].summary = summarize(results[-1], ceilings, bytes_, params)
+        advance(f"{case.name}: done")
+    for engine in engines.values():
+        engine.close()
+    engines.clear()
+    gc.collect()
+    drift_results = {}
+    if drift:
+        drift_results = measure_drift(model, bench_image("448x448", images_dir), ["bfloat16", "int8"],
+                                      8 if quick else 32, threads, report)
+        advance("drift measured")
+    synthetic = not has_weights(Path(model)) if Path(model).is_dir() else False
+    document = {
+        "created": dt.datetime.now().isoformat(timespec="seconds"),
+        "model": model,
+        "synthetic": synthetic,
+        "quick": quick,
+        "repeats": repeats,
+        "prompt": PROMPT,
+        "machine": dataclasses.asdict(machine) | {"advice": machine.advice},
+        "precision_advice": dataclasses.asdict(advice),
+        "ceilings": ceilings,
+        "drift_vs_float32": drift_results,
+        "cases": [{"case": dataclasses.asdict(r.case), "summary": r.summary, "runs": r.runs} for r in results],
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "bench.json").write_text(json.dumps(document, indent=1, default=str))
+    (out_dir / "bench.md").write_text(markdown_report(document))
+    html_report(document, out_dir / "bench.html")
+    advance("written")
+    return document
+
+
+# ---- reports ---------------------------------------------------------------------------------------------------
+
+def _fmt(value, digits=2) -> str:
+    return "–" if value is None else f"{value:.{digits}f}"
+
+
+def _median(summary: dict, key: str):
+    value = summary.get(key)
+    return value["median"] if isinstance(value, dict) else value
+
+
+def markdown_report(document: dict) -> str:
+    machine, ceilings = document["machine"], document["ceilings"]
+    lines = [
+        f"# vlscope benchmark ({'quick' if document['quick'] else 'full'}), {document['created']}",
+        "",
+        f"Model `{document['model']}`{' (synthetic weights: latency and memory are real, answers are not)' if document['synthetic'] else ''}. "
+        f"CPU {machine['cpu_model']}, {machine['physical_cores']} cores, ISA {', '.join(machine['isa_flags'])}, "
+        f"THP {machine['transparent_hugepages']}, torch {machine['torch_version']}, transformers {machine['transformers_version']}.",
+        f"Ceilings measured in this run: memory read {ceilings['memory_read_gb_per_s']:.1f} GB/s; matmul "
+        f"float32 {ceilings['matmul_gflops']['float32']:.0f} GFLOP/s, bfloat16 {ceilings['matmul_gflops']['bfloat16']:.0f} GFLOP/s. "
+        f"Prompt: \"{document['prompt']}\", greedy; median of {document['repeats']} runs after a warm-up (p95 in the JSON).",
+        "",
+        "| case | dtype | threads | image | vision tok | load s | TTFT s | follow-up TTFT s | decode tok/s | % of bandwidth ceiling | prefill % of compute | end-to-end s | peak RSS GB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for entry in document["cases"]:
+        case, s = entry["case"], entry["summary"]
+        fraction = s.get("decode_fraction_of_bandwidth_ceiling")
+        compute = s.get("prefill_fraction_of_compute_ceiling")
+        lines.append(
+            f"| {case['name']} | {case['dtype']} | {case['threads'] or machine['physical_cores']} | {case['image']} | "
+            f"{s['vision_tokens']} | {_fmt(s.get('load_s'), 1)} | {_fmt(_median(s, 'ttft_s'))} | "
+            f"{_fmt(_median(s, 'follow_up_ttft_s'))} | {_fmt(_median(s, 'decode_tokens_per_s'))} | "
+            f"{_fmt(fraction * 100 if fraction else None, 0)} | {_fmt(compute * 100 if compute else None, 0)} | "
+            f"{_fmt(_median(s, 'e2e_s'), 1)} | {s['rss_peak_bytes'] / 1e9:.1f} |"
+        )
+    if document["drift_vs_float32"]:
+        lines += ["", "Numerical drift against float32 (teacher-forced on float32's answer):", "",
+                  "| dtype | top-1 agreement | max abs logit error | positions |", "|---|---|---|---|"]
+        for dtype, d in document["drift_vs_float32"].items():
+            lines.append(f"| {dtype} | {d['top1_agreement'] * 100:.1f}% | {d['max_abs_logit_error']:.3f} | {d['positions']} |")
+    advice = document["precision_advice"]
+    lines += ["", f"Precision advice for this CPU: **{advice['recommended']}**. " + " ".join(advice["reasons"])]
+    return "\n".join(lines) + "\n"
+
+
+def html_report(document: dict, path: Path) -> None:
+    from plotly.subplots import make_subplots
+
+    cases = document["cases"]
+    names = [c["case"]["name"] for c in cases]
+    figure = make_subplots(rows=2, cols=2, subplot_titles=(
+        "where the first answer's time goes (s, median)", "decode tokens/s (median)", "TTFT (s, median)",
+        "peak RSS (GB)"))
+    stage_names = sorted({k for c in cases for k in c["summary"]["stages"]})
+    for stage in stage_names:
+        figure.add_bar(name=stage, x=names, y=[(c["summary"]["stages"].get(stage) or {}).get("median", 0)
+                                               for c in cases], row=1, col=1)
+    figure.add_bar(name="decode tok/s", x=names, y=[_median(c["summary"], "decode_tokens_per_s") for c in cases],
+                   row=1, col=2, showlegend=False)
+    figure.add_bar(name="TTFT", x=names, y=[_median(c["summary"], "ttft_s") for c in cases], row=2, col=1,
+                   showlegend=False)
+    figure.add_bar(name="peak RSS", x=names, y=[c["summary"]["rss_peak_bytes"] / 1e9 for c in cases], row=2, col=2,
+                   showlegend=False)
+    figure.update_layout(barmode="stack", height=900, title=f"vlscope benchmark, {document['created']}")
+    path.write_text(figure.to_html(include_plotlyjs=True, full_html=True))
