@@ -12,6 +12,7 @@ st.set_page_config(page_title="vlscope", page_icon=":material/visibility:", layo
 page = st.navigation([
     st.Page("pages/chat.py", title="Chat", icon=":material/chat:", default=True),
     st.Page("pages/profiling.py", title="Profiling", icon=":material/monitoring:"),
+    st.Page("pages/benchmark.py", title="Benchmark", icon=":material/speed:"),
     st.Page("pages/settings.py", title="Settings", icon=":material/tune:"),
 ])
 render_status(get_engine())

@@ -121,8 +121,9 @@ def run_engine_case(engine: Engine, case: Case, image: Image.Image, repeats: int
         prompts = (PROMPT,) + FOLLOW_UPS[: case.turns - 1]
         for turn, prompt in enumerate(prompts):
             images = (image,) if turn == 0 else ()
+            # Every repetition starts cold; only a conversation's own follow-ups reuse its cache.
             answer = engine.ask(ChatRequest(prompt=prompt, images=images, history=tuple(history),
-                                            max_new_tokens=case.max_new_tokens, source="bench"))
+                                            max_new_tokens=case.max_new_tokens, source="bench", reuse_cache=turn > 0))
             record = answer.metrics.to_dict()
             record["turn"] = turn + 1
             records.append(record)
@@ -271,12 +272,71 @@ def summarize(result: CaseResult, ceilings: dict, lm_bytes: int | None, lm_param
         summary["decode_fraction_of_bandwidth_ceiling"] = rate["median"] / ceiling
     prefill = summary["stages"].get("prefill")
     if lm_params and prefill and result.case.kv_cache:
-        flops = 2 * lm_params * summary["prompt_tokens"]
+        flops = 2 * lm_params * (summary["prompt_tokens"] - first_turns[0].get("cached_prompt_tokens", 0))
         compute_dtype = "float32" if result.case.dtype == "float32" else "bfloat16"
         achieved = flops / prefill["median"] / 1e9
         summary["prefill_gflops"] = achieved
         summary["prefill_fraction_of_compute_ceiling"] = achieved / ceilings["matmul_gflops"][compute_dtype]
     return summary
+
+
+APP_SWEEP = (
+    Case("448x448", "image_size", max_new_tokens=16),
+    Case("1280x960", "image_size", image="1280x960", max_new_tokens=16),
+    Case("multi-turn", "multi_turn", max_new_tokens=16, turns=3),
+)
+
+
+def sweep_on_engine(engine: Engine, images_dir: Path, report: Report, cases=APP_SWEEP, repeats: int = 1) -> dict:
+    """A small sweep on an already loaded engine (the app's): no second model in memory, same report format."""
+    machine = system_report()
+    report(0.0, "measuring the machine's ceilings")
+    ceilings = measure_ceilings(engine.config.threads)
+    lm_bytes, lm_params = language_model_weight_bytes(engine.loaded.model), language_model_params(engine.loaded.model)
+    results = []
+    for index, template in enumerate(cases):
+        case = dataclasses.replace(template, dtype=engine.config.dtype, threads=engine.config.threads,
+                                   kv_cache=engine.config.kv_cache)
+        report((index + 0.5) / (len(cases) + 1), f"running {case.name}")
+        result = CaseResult(case, run_engine_case(engine, case, bench_image(case.image, images_dir), repeats),
+                            engine.info.load_seconds)
+        result.summary = summarize(result, ceilings, lm_bytes, lm_params)
+        results.append(result)
+    report(1.0, "done")
+    return {
+        "created": dt.datetime.now().isoformat(timespec="seconds"), "model": engine.info.model,
+        "synthetic": engine.info.synthetic, "quick": True, "repeats": repeats, "prompt": PROMPT,
+        "machine": dataclasses.asdict(machine) | {"advice": machine.advice},
+        "precision_advice": {"recommended": "–", "reasons": ["not measured in the app sweep"]},
+        "ceilings": ceilings, "drift_vs_float32": {},
+        "cases": [{"case": dataclasses.asdict(r.case), "summary": r.summary, "runs": r.runs} for r in results],
+    }
+
+
+def _release(engines: dict) -> None:
+    """Close every engine held, so one model at a time sits in memory."""
+    for key in list(engines):
+        engines.pop(key).close()
+    gc.collect()
+
+
+def _run_case(case: Case, model: str, images_dir: Path, threads: int, repeats: int, db_path: str,
+              engines: dict, lm_facts: dict) -> CaseResult:
+    """One case; engines are reused across cases with the same settings (a function, so no local outlives it)."""
+    image = bench_image(case.image, images_dir)
+    if case.baseline:
+        _release(engines)
+        load_s, runs = run_baseline_case(model, case, image, threads)
+        return CaseResult(case, runs, load_s)
+    if case.engine_key() not in engines:
+        _release(engines)
+        config = EngineConfig(model=model, dtype=case.dtype, threads=threads, kv_cache=case.kv_cache,
+                              db_path=db_path, max_queue=1)
+        engines[case.engine_key()] = Engine(config)
+        loaded_model = engines[case.engine_key()].loaded.model
+        lm_facts[case.dtype] = (language_model_weight_bytes(loaded_model), language_model_params(loaded_model))
+    engine = engines[case.engine_key()]
+    return CaseResult(case, run_engine_case(engine, case, image, repeats), engine.info.load_seconds)
 
 
 def default_model() -> str:
@@ -308,35 +368,12 @@ def run_bench(model: str, quick: bool, repeats: int, images_dir: Path, out_dir: 
     lm_facts: dict[str, tuple[int, int]] = {}
     engines: dict[tuple, Engine] = {}
     for case in cases:
-        image = bench_image(case.image, images_dir)
-        case_threads = case.threads or threads
-        if case.baseline:
-            for other in list(engines):
-                engines.pop(other).close()
-            gc.collect()
-            load_s, runs = run_baseline_case(model, case, image, case_threads)
-            results.append(CaseResult(case, runs, load_s))
-        else:
-            engine = engines.get(case.engine_key())
-            if engine is None:
-                for other in list(engines):  # one model in memory at a time
-                    engines.pop(other).close()
-                gc.collect()
-                config = EngineConfig(model=model, dtype=case.dtype, threads=case_threads, kv_cache=case.kv_cache,
-                                      db_path=db_path, max_queue=1)
-                engine = Engine(config)
-                engines[case.engine_key()] = engine
-                lm_facts[case.dtype] = (language_model_weight_bytes(engine.loaded.model),
-                                        language_model_params(engine.loaded.model))
-            runs = run_engine_case(engine, case, image, repeats)
-            results.append(CaseResult(case, runs, engine.info.load_seconds))
+        result = _run_case(case, model, images_dir, case.threads or threads, repeats, db_path, engines, lm_facts)
         bytes_, params = lm_facts.get(case.dtype, (None, None))
-        results[-1].summary = summarize(results[-1], ceilings, bytes_, params)
+        result.summary = summarize(result, ceilings, bytes_, params)
+        results.append(result)
         advance(f"{case.name}: done")
-    for engine in engines.values():
-        engine.close()
-    engines.clear()
-    gc.collect()
+    _release(engines)
     drift_results = {}
     if drift:
         drift_results = measure_drift(model, bench_image("448x448", images_dir), ["bfloat16", "int8"],
@@ -412,6 +449,10 @@ def markdown_report(document: dict) -> str:
 
 
 def html_report(document: dict, path: Path) -> None:
+    path.write_text(report_figure(document).to_html(include_plotlyjs=True, full_html=True))
+
+
+def report_figure(document: dict):
     from plotly.subplots import make_subplots
 
     cases = document["cases"]
@@ -430,4 +471,4 @@ def html_report(document: dict, path: Path) -> None:
     figure.add_bar(name="peak RSS", x=names, y=[c["summary"]["rss_peak_bytes"] / 1e9 for c in cases], row=2, col=2,
                    showlegend=False)
     figure.update_layout(barmode="stack", height=900, title=f"vlscope benchmark, {document['created']}")
-    path.write_text(figure.to_html(include_plotlyjs=True, full_html=True))
+    return figure

@@ -239,7 +239,8 @@ class Engine:
             keys = tuple(f"{image.sha256}/{int(request.enhance_for_ocr)}/{w}x{h}"
                          for image, (w, h) in zip(job.images, sizes))
             spans = image_spans(prompt.mm_token_type_ids)
-            reused, start = self._prefix_cache.take(prompt.input_ids, keys, spans) if config.kv_cache else (None, 0)
+            reuse = config.kv_cache and request.reuse_cache
+            reused, start = self._prefix_cache.take(prompt.input_ids, keys, spans) if reuse else (None, 0)
             facts["cached_prompt_tokens"] = start
             # Only images after the reused prefix are encoded again.
             fresh = [index for index, (first, _) in enumerate(spans) if first >= start]

@@ -29,6 +29,7 @@ class ChatRequest:
     enhance_for_ocr: bool = False
     source: str = "python"  # who asked: cli, app, api, bench...
     warmup: bool = False
+    reuse_cache: bool = True  # False: start cold, as a new conversation would (benchmarks)
 
     def __post_init__(self) -> None:
         for turn in self.history:

@@ -166,3 +166,16 @@ def test_broken_model_folder_offers_a_retry(app_env, tmp_path, monkeypatch):
     assert at.button(key="retry_load")
     at.switch_page("pages/profiling.py").run()  # the rest of the app still serves
     assert not at.exception
+
+
+def test_benchmark_page_runs_a_small_sweep(app_env):
+    at = start()
+    at.switch_page("pages/benchmark.py").run()
+    assert not at.exception
+    at.button(key="run_sweep").click().run(timeout=300)
+    assert not at.exception
+    tables = [m.value for m in at.markdown if "| case |" in m.value]
+    assert tables and "multi-turn" in tables[0] and "1280x960" in tables[0]
+    assert at.get("plotly_chart")
+    sweep_records = [r for r in MetricsStore(app_env).recent(50) if r.source == "bench"]
+    assert len(sweep_records) == 5  # two single questions and a three-turn conversation

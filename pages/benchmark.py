@@ -1,0 +1,61 @@
+"""Benchmark page: a small sweep on the loaded model, the CPU's precision advice, and the latest full bench."""
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import streamlit as st
+
+from engine.advisor import advise
+from engine.bench import markdown_report, report_figure, sweep_on_engine
+from engine.config import PROJECT_DIR
+from ui.engine_resource import get_engine
+
+st.title("Benchmark")
+st.caption("Measured on this server, now. The full sweep (every precision, the plain-transformers baseline, "
+           "threads, image sizes, drift against float32) runs from the shell: `python -m engine bench`.")
+
+loaded = get_engine(show_problems=False)
+left, right = st.columns(2)
+with left:
+    st.subheader("Small sweep on the loaded model")
+    st.write("Two image sizes and a three-question conversation, 16 tokens each. Other users wait while it runs.")
+    if loaded is not None and st.button("Run the sweep", key="run_sweep", type="primary"):
+        bar = st.progress(0.0, text="starting")
+        shared = Path(os.environ.get("VLSCOPE_SHARED", PROJECT_DIR.parent / "shared")) / "images"
+        images = shared if shared.is_dir() else PROJECT_DIR / "samples"
+        try:
+            st.session_state["sweep"] = sweep_on_engine(
+                loaded.engine, images, lambda fraction, message: bar.progress(fraction, text=message))
+        except Exception as exc:  # a busy queue or a refused request: say so, keep the page
+            st.error(f"The sweep stopped: {exc}")
+        bar.empty()
+with right:
+    st.subheader("Precision advice for this CPU")
+    if st.button("Measure float32 against bfloat16", key="run_advice"):
+        with st.spinner("Probing matmul and weight streaming…"):
+            st.session_state["advice"] = dataclasses.asdict(advise())
+    advice = st.session_state.get("advice")
+    if advice:
+        st.success(f"Recommended: **{advice['recommended']}** (the default stays float32).")
+        for reason in advice["reasons"]:
+            st.markdown(f"- {reason}")
+
+
+def show(document: dict, key: str) -> None:
+    st.markdown(markdown_report(document))
+    st.plotly_chart(report_figure(document), key=key)
+    st.download_button("Download JSON", json.dumps(document, indent=1, default=str), file_name="bench.json",
+                       mime="application/json", key=f"{key}_json")
+
+
+if "sweep" in st.session_state:
+    st.divider()
+    show(st.session_state["sweep"], "sweep_chart")
+
+results = sorted((PROJECT_DIR / "bench-results").glob("*/bench.json")) + [PROJECT_DIR / "docs/bench-quick/bench.json"]
+latest = next((p for p in reversed(results) if p.exists()), None)
+if latest is not None:
+    st.divider()
+    st.subheader(f"Latest full benchmark: `{latest.relative_to(PROJECT_DIR)}`")
+    show(json.loads(latest.read_text()), "latest_chart")

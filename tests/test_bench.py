@@ -1,0 +1,51 @@
+"""The benchmark harness end to end on the tiny model: every case measured, every report written."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from engine.advisor import advise
+
+from .conftest import ROOT
+
+
+def test_quick_bench_writes_json_markdown_and_html(tiny_model, images_dir, tmp_path):
+    out = tmp_path / "bench"
+    run = subprocess.run(
+        [sys.executable, "-m", "engine", "bench", "--quick", "--model", str(tiny_model), "--images", str(images_dir),
+         "--out", str(out), "--db", str(tmp_path / "bench.db"), "--repeats", "1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    document = json.loads((out / "bench.json").read_text())
+    assert document["ceilings"]["memory_read_gb_per_s"] > 0
+    assert document["ceilings"]["matmul_gflops"]["float32"] > 0
+    cases = {c["case"]["name"]: c for c in document["cases"]}
+    assert {"tuned float32", "tuned bfloat16", "tuned int8", "baseline float32", "multi-turn float32"} <= set(cases)
+    for case in cases.values():
+        summary = case["summary"]
+        assert summary["ttft_s"]["median"] > 0 and summary["e2e_s"]["median"] >= summary["ttft_s"]["median"]
+        assert summary["decode_tokens_per_s"]["median"] > 0 and summary["rss_peak_bytes"] > 0
+    # each measured request starts cold: nothing reused from the warm-up or an earlier repetition
+    assert all(r["cached_prompt_tokens"] == 0 for r in cases["tuned float32"]["runs"])
+    tuned = cases["tuned float32"]["summary"]
+    assert {"vision_encode", "prefill", "decode"} <= set(tuned["stages"])
+    assert 0 < tuned["decode_fraction_of_bandwidth_ceiling"]
+    multi = cases["multi-turn float32"]
+    assert [r["turn"] for r in multi["runs"]] == [1, 2, 3]
+    assert all(r["cached_prompt_tokens"] > r["vision_tokens"] for r in multi["runs"][1:])  # image not re-encoded
+    assert set(document["drift_vs_float32"]) == {"bfloat16", "int8"}
+    for drift in document["drift_vs_float32"].values():
+        assert 0 <= drift["top1_agreement"] <= 1 and drift["max_abs_logit_error"] >= 0
+    markdown = (out / "bench.md").read_text()
+    assert markdown.count("\n| ") >= len(cases) + 2 and "baseline float32" in markdown
+    assert "plotly" in (out / "bench.html").read_text()[:100000].lower()
+
+
+def test_precision_advice_is_measured():
+    advice = advise()
+    assert advice.recommended in ("float32", "bfloat16")
+    for dtype in ("float32", "bfloat16"):
+        assert advice.evidence[dtype]["prefill_gflops"] > 0 and advice.evidence[dtype]["decode_ms_per_layer"] > 0
+    assert any("GFLOP/s" in reason for reason in advice.reasons)
