@@ -14,7 +14,7 @@ import torch
 from transformers import DynamicCache
 
 
-@dataclass
+@dataclass(eq=False)  # entries are told apart by identity: comparing their tensors is neither needed nor valid
 class CachedSequence:
     tokens: torch.Tensor  # (1, n): every token whose keys and values are in `cache`
     cache: DynamicCache
@@ -54,6 +54,10 @@ def usable_prefix(entry: CachedSequence, tokens: torch.Tensor, keys: tuple[str, 
     return length
 
 
+# Below this, copying a prefix's keys and values is not worth it: the template's opening tokens cost nothing to run.
+MIN_REUSE_TOKENS = 16
+
+
 class PrefixCache:
     """A few recent sequences, most recent first. Only the engine's worker thread touches it."""
 
@@ -63,19 +67,24 @@ class PrefixCache:
 
     def take(self, tokens: torch.Tensor, keys: tuple[str, ...], spans: tuple[tuple[int, int], ...]
              ) -> tuple[CachedSequence | None, int]:
-        """Remove and return the entry sharing the longest prefix, cropped to it; (None, 0) if none helps."""
+        """The entry sharing the longest prefix, and that length; (None, 0) if none shares enough to help.
+
+        A request that continues an entry to its end takes it over (extended in place, no copy). One that shares
+        only part of it gets a copy of that part, and the entry stays for its own conversation: two sessions that
+        merely share the chat template's first tokens must not wipe out each other's history."""
         best, best_length = None, 0
         for entry in self._entries:
             length = usable_prefix(entry, tokens, keys, spans)
             if length > best_length:
                 best, best_length = entry, length
-        if best is None:
+        if best is None or best_length < MIN_REUSE_TOKENS:
             return None, 0
-        self._entries.remove(best)  # the request extends it in place
-        surplus = best.cache.get_seq_length() - best_length
-        if surplus > 0:
-            best.cache.crop(-surplus)
-        return best, best_length
+        if best_length == best.cache.get_seq_length():
+            self._entries.remove(best)
+            return best, best_length
+        cache = DynamicCache([(layer.keys[:, :, :best_length].clone(), layer.values[:, :, :best_length].clone())
+                              for layer in best.cache.layers])
+        return CachedSequence(best.tokens[:, :best_length], cache, best.image_keys, best.image_spans), best_length
 
     def put(self, entry: CachedSequence) -> None:
         if self.max_entries <= 0:

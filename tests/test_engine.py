@@ -286,3 +286,17 @@ def test_a_different_image_is_never_served_from_the_cache(engine, images_dir):
     assert other.metrics.cached_prompt_tokens < other.metrics.prompt_tokens - other.metrics.vision_tokens
     again = engine.ask(ChatRequest(prompt="Describe", images=(mirrored,), max_new_tokens=3))
     assert "vision_encode" not in again.metrics.stages and again.metrics.cached_prompt_tokens > 0
+
+
+def test_interleaved_conversations_each_find_their_own_prefix(engine, images_dir):
+    """Two sessions taking turns: the older entry (not the most recent) must be found and reused."""
+    def first_turn(name):
+        request = ChatRequest(prompt="Describe", images=(images_dir / name,), max_new_tokens=4)
+        return request, engine.ask(request)
+
+    coffee, coffee_answer = first_turn("coffee.png")
+    cat, _ = first_turn("chelsea.png")
+    follow_up = engine.ask(ChatRequest(prompt="More?", max_new_tokens=4, history=(
+        Turn("user", "Describe", coffee.images), Turn("assistant", coffee_answer.text))))
+    assert "vision_encode" not in follow_up.metrics.stages
+    assert follow_up.metrics.cached_prompt_tokens >= coffee_answer.metrics.prompt_tokens
