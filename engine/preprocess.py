@@ -29,6 +29,8 @@ def chat_messages(history, prompt: str, image_counts: list[int]) -> list[dict]:
     for turn in history:
         if turn.role == "user":
             content = [{"type": "image"}] * next(counts) + [{"type": "text", "text": turn.text}]
+        elif turn.role == "system":
+            content = turn.text
         else:
             content = [{"type": "text", "text": turn.text}]
         messages.append({"role": turn.role, "content": content})

@@ -13,7 +13,7 @@ ImageSource = Union[str, Path, bytes, Any]
 class Turn:
     """One earlier message of a conversation. User turns may carry the images they were about."""
 
-    role: str  # "user" or "assistant"
+    role: str  # "system", "user" or "assistant"
     text: str
     images: tuple[ImageSource, ...] = ()
 
@@ -33,8 +33,8 @@ class ChatRequest:
 
     def __post_init__(self) -> None:
         for turn in self.history:
-            if turn.role not in ("user", "assistant"):
-                raise ValueError(f"turn role must be 'user' or 'assistant', not {turn.role!r}")
+            if turn.role not in ("system", "user", "assistant"):
+                raise ValueError(f"turn role must be 'system', 'user' or 'assistant', not {turn.role!r}")
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,8 @@ from streamlit.testing.v1 import AppTest
 
 from engine import ChatRequest, MetricsStore, TextChunk
 
+from ui.engine_resource import shutdown
+
 from .conftest import ROOT
 
 APP = str(ROOT / "streamlit_app.py")
@@ -21,9 +23,9 @@ def app_env(tiny_model, tmp_path, monkeypatch):
     monkeypatch.setenv("VLSCOPE_MODEL", str(tiny_model))
     monkeypatch.setenv("VLSCOPE_DB", str(tmp_path / "app.db"))
     monkeypatch.setenv("VLSCOPE_MAX_NEW_TOKENS", "12")
-    st.cache_resource.clear()  # one engine per test, built from this test's settings
+    shutdown()  # one engine per test, built from this test's settings
     yield tmp_path / "app.db"
-    st.cache_resource.clear()
+    shutdown()
 
 
 def start() -> AppTest:

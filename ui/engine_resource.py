@@ -1,7 +1,7 @@
-"""One engine per server process, shared by every session, with a progress bar while it loads.
+"""One engine per server process, shared by every session and by the HTTP API, with a progress bar while it loads.
 
-The engine sits in a process-wide slot (st.cache_resource holds the slot, not the load: a cached function must not
-draw, and the load draws its progress). The current settings live beside it; a change swaps the engine for everyone.
+The engine sits in a process-wide slot; the current settings live beside it, and a change swaps the engine for
+everyone. Loading itself (`ensure_loaded`) draws nothing, so the API can use it too; `get_engine` adds the UI.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import streamlit as st
 
 from engine import SKELETON_DIR, Engine, EngineConfig, MetricsStore, ModelUnavailable
 from engine.model_loading import looks_like_hub_id
+from engine.remote import RemoteEngine
 
 from .settings import configured_settings
 
@@ -34,12 +35,24 @@ class EngineSlot:
     loaded: LoadedEngine | None = None
     loaded_config: EngineConfig | None = None
     error: str | None = None  # the last load failure for `config`; cleared by a retry
+    loading: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
 
+    @property
+    def ready(self) -> bool:
+        return self.loaded is not None and self.loaded_config == self.config
 
-@st.cache_resource(show_spinner=False)
+
+_slot: EngineSlot | None = None
+_slot_lock = threading.Lock()
+
+
 def engine_slot() -> EngineSlot:
-    return EngineSlot(configured_settings())
+    global _slot
+    with _slot_lock:
+        if _slot is None:
+            _slot = EngineSlot(configured_settings())
+        return _slot
 
 
 def fallback_model() -> str:
@@ -47,6 +60,8 @@ def fallback_model() -> str:
 
 
 def build_engine(config: EngineConfig, progress) -> LoadedEngine:
+    if config.remote_url:
+        return LoadedEngine(RemoteEngine(config, progress=progress), None)
     try:
         return LoadedEngine(Engine(config, progress=progress), None)
     except ModelUnavailable as exc:
@@ -64,43 +79,55 @@ def _release(slot: EngineSlot) -> None:
         gc.collect()  # free the old weights before the new ones are allocated
 
 
+def ensure_loaded(progress=None) -> LoadedEngine | None:
+    """Load the engine for the current settings if needed (one loader at a time; others wait). None on failure,
+    with the reason in engine_slot().error; a failed load is not retried until retry_loading()."""
+    slot = engine_slot()
+    if slot.ready or slot.error is not None:
+        return slot.loaded if slot.ready else None
+    with slot.lock:
+        if not slot.ready and slot.error is None:
+            _release(slot)
+            config = slot.config
+            slot.loading = True
+            try:
+                slot.loaded, slot.loaded_config = build_engine(config, progress), config
+            except Exception as exc:  # any load failure is reported; the server keeps serving
+                log.exception("model load failed")
+                slot.error = exc.message if hasattr(exc, "message") else f"{type(exc).__name__}: {exc}"
+            finally:
+                slot.loading = False
+    return slot.loaded if slot.ready else None
+
+
+def retry_loading() -> None:
+    engine_slot().error = None
+
+
 def get_engine(show_problems: bool = True) -> LoadedEngine | None:
-    """The shared engine, loading it with a progress bar if needed. On failure: a message, a retry, and None.
+    """The shared engine for a page: loads it with a progress bar if needed; on failure a message and a retry.
 
     The router shows load problems; pages pass show_problems=False so the message and its button appear once."""
     slot = engine_slot()
-    if slot.loaded is not None and slot.loaded_config == slot.config:
+    if slot.ready:
         return slot.loaded
+    loaded = None
     if slot.error is None:
         bar = st.empty()
-        if not slot.lock.acquire(blocking=False):
-            with st.spinner("The model is loading (started by another session)…"):
-                slot.lock.acquire()
-        try:
-            if slot.loaded_config != slot.config and slot.error is None:
-                _release(slot)
-                config = slot.config
+        if slot.loading:
+            bar.info("The model is loading (started elsewhere)…", icon=":material/hourglass:")
 
-                def progress(fraction: float, message: str) -> None:
-                    bar.progress(min(max(fraction, 0.0), 1.0), text=f"Loading model: {message}")
+        def progress(fraction: float, message: str) -> None:
+            bar.progress(min(max(fraction, 0.0), 1.0), text=f"Loading model: {message}")
 
-                try:
-                    slot.loaded, slot.loaded_config = build_engine(config, progress), config
-                except Exception as exc:  # any load failure is shown on the page; the server keeps serving
-                    log.exception("model load failed")
-                    slot.error = exc.message if hasattr(exc, "message") else f"{type(exc).__name__}: {exc}"
-        finally:
-            slot.lock.release()
-            bar.empty()
-    if slot.error is not None:
-        if not show_problems:
-            return None
+        loaded = ensure_loaded(progress)
+        bar.empty()
+    if loaded is None and slot.error is not None and show_problems:
         st.error(f"The model could not be loaded. {slot.error}", icon=":material/error:")
         if st.button("Retry loading", key="retry_load"):
-            slot.error = None
+            retry_loading()
             st.rerun()
-        return None
-    return slot.loaded
+    return loaded
 
 
 def current_settings() -> EngineConfig:
@@ -108,18 +135,30 @@ def current_settings() -> EngineConfig:
 
 
 def apply_settings(config: EngineConfig) -> None:
-    """New settings for everyone; the next run of any page loads the engine for them."""
+    """New settings for everyone; the next run of any page (or API call) loads the engine for them."""
     slot = engine_slot()
     with slot.lock:
         if config != slot.config:
             slot.config, slot.error = config, None
 
 
-@st.cache_resource(show_spinner=False)
-def _store(path: str) -> MetricsStore:
-    return MetricsStore(path)
+_stores: dict[str, MetricsStore] = {}
 
 
 def get_store() -> MetricsStore:
     """The metrics database alone: the profiling page works even when the model failed to load."""
-    return _store(current_settings().db_path)
+    path = current_settings().db_path
+    with _slot_lock:
+        if path not in _stores:
+            _stores[path] = MetricsStore(path)
+        return _stores[path]
+
+
+def shutdown() -> None:
+    """Close the engine and forget the settings (server shutdown; tests start each case afresh)."""
+    global _slot
+    with _slot_lock:
+        if _slot is not None:
+            with _slot.lock:
+                _release(_slot)
+            _slot = None

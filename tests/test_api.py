@@ -1,0 +1,170 @@
+"""The OpenAI-compatible API over real HTTP: uvicorn serving app:app, the official openai client, no mocks."""
+from __future__ import annotations
+
+import base64
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import httpx
+import openai
+import pytest
+
+from engine import MetricsStore
+
+from .conftest import ROOT
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_server(tiny_model, db, log_path, **env_overrides):
+    port = free_port()
+    env = dict(os.environ, VLSCOPE_MODEL=str(tiny_model), VLSCOPE_DB=str(db), VLSCOPE_MAX_NEW_TOKENS="16",
+               **env_overrides)
+    log = open(log_path, "w")
+    process = subprocess.Popen([sys.executable, "-m", "uvicorn", "app:app", "--host", "127.0.0.1", "--port", str(port)],
+                               cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+                if response.status == 200:
+                    return process, url
+        except OSError:
+            time.sleep(0.5)
+    process.kill()
+    raise AssertionError("server did not become ready: " + log_path.read_text()[-3000:])
+
+
+@pytest.fixture
+def server(tiny_model, tmp_path):
+    process, url = start_server(tiny_model, tmp_path / "api.db", tmp_path / "server.log")
+    yield url, tmp_path / "api.db"
+    process.terminate()
+    process.wait(20)
+
+
+def data_url(path) -> str:
+    return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
+
+
+def image_message(images_dir, text="Read the text"):
+    return [{"role": "user", "content": [{"type": "text", "text": text},
+                                         {"type": "image_url", "image_url": {"url": data_url(images_dir / "page.png")}}]}]
+
+
+def test_non_streaming_and_streaming_answers(server, images_dir):
+    url, db = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    answer = client.chat.completions.create(model="vlscope", messages=image_message(images_dir), max_tokens=8)
+    assert answer.choices[0].message.content and answer.choices[0].finish_reason == "length"
+    assert answer.usage.completion_tokens == 8 and answer.usage.prompt_tokens > 50
+    metrics = answer.model_extra["metrics"]
+    assert metrics["vision_tokens"] > 0 and metrics["stages"]["vision_encode"] > 0 and metrics["source"] == "api"
+    assert "prompt" not in metrics and "answer" not in metrics
+
+    stream = client.chat.completions.create(model="vlscope", messages=image_message(images_dir), max_tokens=8,
+                                            stream=True)
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text and chunks[-1].choices[0].finish_reason == "length"
+    assert chunks[-1].usage.completion_tokens == 8
+    records = MetricsStore(db).recent(10, include_warmup=False)
+    assert len(records) == 2 and all(r.source == "api" and r.status == "ok" for r in records)
+
+    models = client.models.list()
+    assert models.data[0].id
+    health = httpx.get(f"{url}/health").json()
+    assert health["status"] == "ready" and health["queue_depth"] == 0
+    prometheus = httpx.get(f"{url}/metrics").text
+    assert 'vlscope_requests_total{status="ok",source="api"} 2' in prometheus
+    assert 'vlscope_stage_seconds_count{stage="prefill"} 2' in prometheus
+
+
+def test_bad_inputs_get_openai_errors(server, images_dir):
+    url, _ = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    text_as_image = "data:image/png;base64," + base64.b64encode(b"plain text, no picture").decode()
+    cases = [
+        ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": text_as_image}}]}], "not an image"),
+        ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "/etc/passwd"}}]}], "never read"),
+        ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}]}], "never read"),
+        ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://example.com/a.png"}}]}],
+         "remote image URLs are refused"),
+        ([{"role": "assistant", "content": "hi"}], "last message"),
+        ([], "non-empty"),
+        ([{"role": "user", "content": "x " * 20000}], "limit is"),
+    ]
+    for messages, expected in cases:
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(model="vlscope", messages=messages)
+        assert expected in caught.value.message, (expected, caught.value.message)
+    response = httpx.post(f"{url}/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert response.status_code == 400 and response.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_api_keys_body_limit_and_busy_queue(tiny_model, images_dir, tmp_path):
+    process, url = start_server(tiny_model, tmp_path / "api.db", tmp_path / "server.log", VLSCOPE_API_KEYS="k1,k2",
+                                VLSCOPE_API_MAX_BODY_BYTES="20000", VLSCOPE_MAX_QUEUE="0")
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="k2", max_retries=0)
+        assert client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        with pytest.raises(openai.APIStatusError) as caught:
+            client.chat.completions.create(model="m", messages=image_message(images_dir))
+        assert caught.value.status_code == 413
+        # hold the only slot with a long stream, then a second request is refused with Retry-After
+        holder = httpx.Client(timeout=60).stream("POST", f"{url}/v1/chat/completions", headers={"Authorization": "Bearer k1"},
+                                                 json={"messages": [{"role": "user", "content": "long"}],
+                                                       "max_tokens": 5000, "stream": True})
+        with holder as response:
+            next(response.iter_lines())
+            busy = httpx.post(f"{url}/v1/chat/completions", headers={"Authorization": "Bearer k1"},
+                              json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+            assert busy.status_code == 429 and int(busy.headers["retry-after"]) > 0
+            assert busy.json()["error"]["code"] == "busy"
+    finally:
+        process.terminate()
+        process.wait(20)
+
+
+def test_concurrent_clients_are_served_in_order_and_disconnect_frees_the_queue(server):
+    url, db = server
+    # a client that leaves mid-stream: its generation is cancelled and the queue moves on
+    with httpx.Client(timeout=60).stream("POST", f"{url}/v1/chat/completions",
+                                         json={"messages": [{"role": "user", "content": "long"}], "max_tokens": 5000,
+                                               "stream": True}) as response:
+        lines = response.iter_lines()
+        next(lines)
+        next(lines)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    started = time.perf_counter()
+    results = {}
+
+    def ask(index):
+        results[index] = client.chat.completions.create(model="m", messages=[{"role": "user", "content": f"q{index}"}],
+                                                        max_tokens=6)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert len(results) == 4 and time.perf_counter() - started < 60
+    records = sorted(MetricsStore(db).recent(20, include_warmup=False), key=lambda r: r.submitted_at)
+    left = [r for r in records if r.max_new_tokens == 5000]
+    assert left and left[0].status == "cancelled" and left[0].output_tokens < 5000
+    served = sorted([r for r in records if r.max_new_tokens == 6], key=lambda r: r.started_at)
+    assert len(served) == 4
+    for earlier, later in zip(served, served[1:]):
+        assert earlier.finished_at <= later.started_at  # one at a time
