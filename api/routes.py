@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from engine import Busy, InvalidImage, PromptTooLong, RequestMetrics, TextChunk, VlscopeError
+from engine import Busy, InvalidImage, PromptTooLong, RequestMetrics, StageStarted, TextChunk, VlscopeError
 from ui.engine_resource import engine_slot, ensure_loaded, get_store
 
 from . import prometheus
@@ -120,8 +120,20 @@ async def chat_completions(request: Request) -> Response:
             raise _engine_error(exc) from None
         model = engine.info.model
         if body.get("stream"):
-            return StreamingResponse(_sse(handle, request, model, bool((body.get("stream_options") or {}).get(
-                "include_usage", True))), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            events = _events(handle, request)
+            # Hold the 200 until the prompt has passed the engine's checks, so a too-long prompt is a plain 400.
+            early = []
+            try:
+                async for event in events:
+                    early.append(event)
+                    if isinstance(event, (TextChunk, RequestMetrics)) or (
+                            isinstance(event, StageStarted) and event.name in ("vision_encode", "prefill")):
+                        break
+            except VlscopeError as exc:
+                raise _engine_error(exc) from None
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage", True))
+            return StreamingResponse(_sse(handle, early, events, model, include_usage),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         parts, metrics = [], None
         try:
             async for event in _events(handle, request):
@@ -138,13 +150,20 @@ async def chat_completions(request: Request) -> Response:
         return error_response(error)
 
 
-async def _sse(handle, request: Request, model: str, include_usage: bool):
+async def _chain(first: list, rest):
+    for item in first:
+        yield item
+    async for item in rest:
+        yield item
+
+
+async def _sse(handle, early: list, events, model: str, include_usage: bool):
     def event(data) -> str:
         return f"data: {json.dumps(data)}\n\n"
 
     yield event(chunk(handle.id, model, {"role": "assistant", "content": ""}))
     try:
-        async for item in _events(handle, request):
+        async for item in _chain(early, events):
             if isinstance(item, TextChunk):
                 yield event(chunk(handle.id, model, {"content": item.text}))
             elif isinstance(item, RequestMetrics):

@@ -54,6 +54,7 @@ class RequestMetrics:
     weight_bytes: int = 0
     error_type: str | None = None
     error: str | None = None
+    server_metrics: dict | None = None  # a remote server's own timings, when it reports them
     prompt: str | None = None  # only when storing content is on
     answer: str | None = None
 

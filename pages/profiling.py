@@ -5,7 +5,8 @@ import streamlit as st
 
 from engine import stage_percentiles, to_csv
 from engine.system import ISA_FLAGS, system_report
-from ui.charts import label, latency_over_time, records_frame, rss_chart, stage_bars, token_latency_chart
+from ui.charts import (label, latency_over_time, records_frame, rss_chart, server_stages, stage_bars,
+                       token_latency_chart)
 from ui.engine_resource import get_store
 
 WINDOWS = {"last 15 minutes": 15 * 60, "last hour": 3600, "last 24 hours": 86400, "all": None}
@@ -45,6 +46,12 @@ def live_view() -> None:
     shown = records[:60]  # the newest; older ones stay in the table and the CSV
     st.subheader("Where the time went, per request")
     st.plotly_chart(stage_bars(shown), key="chart_stages")
+    remote = [r for r in shown if server_stages(r)]
+    if remote:
+        st.subheader("As the remote server reports it")
+        st.caption("Requests served by a remote backend: above, what this client measured (upload, first token, "
+                   "decode); here, the server's own stage timings.")
+        st.plotly_chart(stage_bars(remote, stages_of=server_stages), key="chart_server_stages")
     left, right = st.columns(2)
     with left:
         st.subheader("Memory (RSS) per request")

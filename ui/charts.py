@@ -13,6 +13,7 @@ GIB = 1 << 30
 STAGE_COLOURS = {
     "queue_wait": "#bab0ac", "load_images": "#9c755f", "ocr_enhance": "#ff9da7", "preprocess": "#edc948",
     "vision_encode": "#f28e2b", "prefill": "#e15759", "decode": "#4e79a7", "detokenize": "#76b7b2",
+    "upload": "#b07aa1", "server_first_token": "#ff9d9a",
 }
 
 
@@ -21,15 +22,31 @@ def label(record: RequestMetrics) -> str:
     return f"{dt.datetime.fromtimestamp(record.submitted_at):%H:%M:%S} {record.id[:6]}"
 
 
-def stage_bars(records: list[RequestMetrics]) -> go.Figure:
+def client_stages(record: RequestMetrics) -> dict:
+    return {"queue_wait": record.queue_wait_s, **record.stages}
+
+
+def server_stages(record: RequestMetrics) -> dict:
+    """A remote server's own timings: vlscope's metrics record, or llama.cpp's `timings` (milliseconds)."""
+    server = record.server_metrics or {}
+    if "stages" in server:
+        return {"queue_wait": server.get("queue_wait_s", 0.0), **server["stages"]}
+    if "prompt_ms" in server or "predicted_ms" in server:
+        return {"prefill": server.get("prompt_ms", 0) / 1000, "decode": server.get("predicted_ms", 0) / 1000}
+    return {}
+
+
+def stage_bars(records: list[RequestMetrics], stages_of=client_stages) -> go.Figure:
     """One stacked bar per request (oldest left): where its end-to-end time went."""
     records = sorted(records, key=lambda r: r.submitted_at)
     labels = [label(r) for r in records]
+    per_record = [stages_of(r) for r in records]
+    names = list(("queue_wait",) + STAGES) + sorted({k for s in per_record for k in s} - set(STAGES) - {"queue_wait"})
     figure = go.Figure()
-    for stage in ("queue_wait",) + STAGES:
-        values = [r.queue_wait_s if stage == "queue_wait" else r.stages.get(stage, 0.0) for r in records]
+    for stage in names:
+        values = [stages.get(stage, 0.0) for stages in per_record]
         if any(values):
-            figure.add_bar(name=stage, x=labels, y=values, marker_color=STAGE_COLOURS[stage],
+            figure.add_bar(name=stage, x=labels, y=values, marker_color=STAGE_COLOURS.get(stage),
                            hovertemplate="%{x}<br>" + stage + ": %{y:.3f} s<extra></extra>")
     figure.update_layout(barmode="stack", yaxis_title="seconds", xaxis_title="request", legend_title="stage",
                          margin=dict(t=30, b=10), height=380)

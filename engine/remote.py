@@ -1,0 +1,230 @@
+"""An engine whose model runs elsewhere: any OpenAI-compatible server (vLLM, llama.cpp's server, Ollama, another
+vlscope). Same interface as Engine, so the chat page and the API work unchanged; the metrics hold what the client
+can measure, plus the server's own timings when it reports them (vlscope's `metrics`, llama.cpp's `timings`)."""
+from __future__ import annotations
+
+import base64
+import io
+import json
+import logging
+import queue
+import threading
+import time
+import uuid
+
+import httpx
+
+from .config import EngineConfig
+from .engine import EngineInfo, RequestHandle
+from .errors import Busy, GenerationFailed, InvalidImage, ModelUnavailable, PromptTooLong, VlscopeError
+from .images import load_image
+from .metrics import RequestMetrics, current_rss
+from .request import ChatRequest, StageStarted, TextChunk
+from .scheduler import Job
+from .store import MetricsStore
+
+log = logging.getLogger(__name__)
+
+
+class RemoteEngine:
+    def __init__(self, config: EngineConfig, store: MetricsStore | None = None, progress=None):
+        self.config = config
+        self.store = store if store is not None else MetricsStore(config.db_path)
+        self.base_url = config.remote_url.rstrip("/")
+        self._client = httpx.Client(timeout=httpx.Timeout(10.0, read=600.0), headers=self._headers())
+        self._in_flight = 0
+        self._lock = threading.Lock()
+        started = time.perf_counter()
+        (progress or (lambda f, m: None))(0.5, f"Connecting to {self.base_url}")
+        try:
+            listed = self._client.get(f"{self.base_url}/models")
+            listed.raise_for_status()
+            names = [m.get("id") for m in listed.json().get("data", [])]
+        except (httpx.HTTPError, ValueError) as exc:
+            raise ModelUnavailable(f"The remote server at {self.base_url} did not answer /models ({exc}). "
+                                   "Check VLSCOPE_REMOTE_URL and that the server is running.") from None
+        self.model_name = config.remote_model or (names[0] if names else "default")
+        self.info = EngineInfo(model=f"{self.model_name} @ {self.base_url}", synthetic=False, dtype="remote",
+                               threads=0, weight_bytes=0, load_seconds=time.perf_counter() - started,
+                               context_length=262144)
+
+    def _headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.config.remote_api_key}"} if self.config.remote_api_key else {}
+
+    @property
+    def queue_depth(self) -> int:
+        return self._in_flight
+
+    def submit(self, request: ChatRequest) -> RequestHandle:
+        job = Job(uuid.uuid4().hex, request)
+        try:
+            with job.clock.stage("load_images"):
+                job.images = [load_image(s, max_pixels=self.config.max_image_pixels,
+                                         max_bytes=self.config.max_image_bytes)
+                              for turn in request.history for s in turn.images]
+                job.images += [load_image(s, max_pixels=self.config.max_image_pixels,
+                                          max_bytes=self.config.max_image_bytes) for s in request.images]
+        except InvalidImage as exc:
+            exc.metrics = self._finish(job, "refused", {}, error=exc)
+            raise
+        with self._lock:
+            self._in_flight += 1
+        threading.Thread(target=self._run, args=(job,), name="vlscope-remote", daemon=True).start()
+        return RequestHandle(job)
+
+    def stream(self, request: ChatRequest):
+        handle = self.submit(request)
+        try:
+            yield from handle.events()
+        finally:
+            handle.cancel()
+
+    def ask(self, request: ChatRequest):
+        from .engine import Answer
+
+        parts = []
+        for event in self.stream(request):
+            if isinstance(event, TextChunk):
+                parts.append(event.text)
+            elif isinstance(event, RequestMetrics):
+                return Answer("".join(parts), event)
+        raise GenerationFailed("the request ended without metrics")
+
+    def close(self) -> None:
+        self._client.close()
+
+    # ---- internals ----------------------------------------------------------------------------------------------
+
+    def _messages(self, job: Job) -> list[dict]:
+        images = iter(job.images)
+
+        def content(text: str, count: int):
+            if not count:
+                return text
+            parts = []
+            for _ in range(count):
+                buffer = io.BytesIO()
+                next(images).image.save(buffer, format="PNG")
+                parts.append({"type": "image_url", "image_url": {
+                    "url": "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()}})
+            return parts + [{"type": "text", "text": text}]
+
+        request = job.request
+        messages = [{"role": t.role, "content": content(t.text, len(t.images))} for t in request.history]
+        return messages + [{"role": "user", "content": content(request.prompt, len(request.images))}]
+
+    def _run(self, job: Job) -> None:
+        facts: dict = {"started_at": time.time()}
+        error: VlscopeError | None = None
+        status = "ok"
+        request = job.request
+        body = {"model": self.model_name, "messages": self._messages(job), "stream": True,
+                "stream_options": {"include_usage": True},
+                "max_tokens": request.max_new_tokens or self.config.max_new_tokens}
+        for name in ("temperature", "top_p"):
+            value = getattr(request, name)
+            body[name] = value if value is not None else getattr(self.config, name)
+        emit = job.events.put
+        rss_before = current_rss()
+        try:
+            emit(StageStarted("upload"))
+            sent = time.perf_counter()
+            with self._client.stream("POST", f"{self.base_url}/chat/completions", json=body) as response:
+                job.clock.add("upload", time.perf_counter() - sent)
+                if response.status_code != 200:
+                    response.read()
+                    raise _remote_error(response)
+                status = self._read_stream(job, response, facts)
+        except VlscopeError as exc:
+            status, error = ("refused" if isinstance(exc, (InvalidImage, PromptTooLong, Busy)) else "error"), exc
+        except httpx.HTTPError as exc:
+            status, error = "error", GenerationFailed(f"the remote server failed: {exc}")
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+        rss = current_rss()
+        facts.update(rss_before_bytes=rss_before, rss_peak_bytes=max(rss_before, rss), rss_after_bytes=rss)
+        metrics = self._finish(job, status, facts, error=error)
+        if error is not None:
+            error.metrics = metrics
+            emit(error)
+        else:
+            emit(metrics)
+
+    def _read_stream(self, job: Job, response, facts: dict) -> str:
+        started = time.perf_counter()
+        chunk_times: list[float] = []
+        for line in response.iter_lines():
+            if job.cancelled.is_set():
+                return "cancelled"  # leaving the with-block closes the connection: the server stops too
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            data = json.loads(line[6:])
+            if "error" in data:
+                raise error_from(400, data["error"].get("message", ""), data["error"].get("code"))
+            for choice in data.get("choices") or []:
+                text = (choice.get("delta") or {}).get("content")
+                if text:
+                    chunk_times.append(time.perf_counter())
+                    if len(chunk_times) == 1:
+                        facts["ttft_s"] = chunk_times[0] - job.submitted_perf
+                        job.events.put(StageStarted("decode"))
+                    job.events.put(TextChunk(text))
+            if data.get("usage"):
+                facts["prompt_tokens"] = data["usage"].get("prompt_tokens", 0)
+                facts["output_tokens"] = data["usage"].get("completion_tokens", 0)
+            server = data.get("metrics") or data.get("timings")
+            if server:
+                facts["server_metrics"] = server
+        if len(chunk_times) > 1:
+            job.clock.add("decode", chunk_times[-1] - chunk_times[0])
+            facts["decode_tokens_per_s"] = (len(chunk_times) - 1) / (chunk_times[-1] - chunk_times[0])
+        job.clock.add("server_first_token", (chunk_times[0] if chunk_times else time.perf_counter()) - started)
+        facts.setdefault("output_tokens", len(chunk_times))
+        server = facts.get("server_metrics") or {}
+        facts["vision_tokens"] = server.get("vision_tokens", 0)
+        return "ok"
+
+    def _finish(self, job: Job, status: str, facts: dict, error: BaseException | None = None) -> RequestMetrics:
+        config, request = self.config, job.request
+        rss = current_rss()
+        facts.setdefault("rss_before_bytes", rss)
+        facts.setdefault("rss_peak_bytes", rss)
+        facts.setdefault("rss_after_bytes", rss)
+        metrics = RequestMetrics(
+            id=job.id, status=status, source=request.source, warmup=request.warmup, submitted_at=job.submitted_at,
+            finished_at=time.time(), model=self.info.model if hasattr(self, "info") else config.remote_url,
+            synthetic=bool((facts.get("server_metrics") or {}).get("synthetic", False)), dtype="remote", threads=0,
+            kv_cache=True, min_pixels=config.min_pixels, max_pixels=config.max_pixels,
+            max_new_tokens=request.max_new_tokens or config.max_new_tokens,
+            temperature=config.temperature if request.temperature is None else request.temperature,
+            top_p=config.top_p if request.top_p is None else request.top_p,
+            image_sizes=tuple(image.original_size for image in job.images), stages=dict(job.clock.seconds),
+            e2e_s=time.perf_counter() - job.submitted_perf,
+            error_type=getattr(error, "kind", None) if error else None, error=str(error) if error else None,
+            **facts,
+        )
+        self.store.add(metrics)
+        return metrics
+
+
+def _remote_error(response: httpx.Response) -> VlscopeError:
+    try:
+        error = response.json().get("error", {})
+        message, code = error.get("message") or response.text, error.get("code")
+    except ValueError:
+        message, code = response.text[:300], None
+    return error_from(response.status_code, message, code)
+
+
+def error_from(status: int, message: str, code: str | None) -> VlscopeError:
+    """The engine error a remote server's OpenAI-style error stands for, so callers handle both alike."""
+    if status == 429:
+        return Busy(f"the remote server is busy: {message}")
+    if status in (400, 413):
+        if code == "prompt_too_long":
+            return PromptTooLong(message)
+        return InvalidImage(message) if code in ("invalid_image", "image_too_large") else GenerationFailed(message)
+    if status in (401, 403):
+        return ModelUnavailable(f"the remote server refused the API key ({status}): {message}")
+    return GenerationFailed(f"the remote server answered {status}: {message}")

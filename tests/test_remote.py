@@ -1,0 +1,90 @@
+"""A vlscope pointed at another vlscope: the remote backend over real HTTP, in the engine, the API and the app."""
+from __future__ import annotations
+
+import time
+
+import openai
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from engine import ChatRequest, EngineConfig, InvalidImage, MetricsStore, PromptTooLong, RequestMetrics, TextChunk
+from engine.remote import RemoteEngine
+from ui.engine_resource import shutdown
+
+from .conftest import ROOT
+from .test_api import start_server
+
+
+@pytest.fixture
+def backend(tiny_model, tmp_path):
+    process, url = start_server(tiny_model, tmp_path / "backend.db", tmp_path / "backend.log",
+                                VLSCOPE_MAX_INPUT_TOKENS="400")
+    yield url, tmp_path / "backend.db"
+    process.terminate()
+    process.wait(20)
+
+
+def test_remote_engine_streams_measures_and_cancels(backend, images_dir, tmp_path):
+    url, backend_db = backend
+    engine = RemoteEngine(EngineConfig(remote_url=f"{url}/v1", db_path=str(tmp_path / "client.db")))
+    text, metrics = [], None
+    for event in engine.stream(ChatRequest(prompt="Read the text", images=(images_dir / "page.png",),
+                                           max_new_tokens=8)):
+        if isinstance(event, TextChunk):
+            text.append(event.text)
+        elif isinstance(event, RequestMetrics):
+            metrics = event
+    assert "".join(text) and metrics.status == "ok" and metrics.output_tokens == 8
+    assert {"load_images", "upload", "decode"} <= set(metrics.stages) and 0 < metrics.ttft_s <= metrics.e2e_s
+    assert metrics.server_metrics["stages"]["vision_encode"] > 0 and metrics.vision_tokens > 0
+    served = MetricsStore(backend_db).recent(5, include_warmup=False)
+    assert served[0].source == "api" and served[0].output_tokens == 8
+
+    handle = engine.submit(ChatRequest(prompt="long", max_new_tokens=5000))
+    events = handle.events()
+    next(e for e in events if isinstance(e, TextChunk))
+    handle.cancel()
+    assert [e for e in events][-1].status == "cancelled"
+    deadline = time.time() + 10
+    while time.time() < deadline:  # the backend sees the closed connection and stops generating
+        newest = MetricsStore(backend_db).recent(1)[0]
+        if newest.max_new_tokens == 5000 and newest.status == "cancelled":
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail("the backend did not cancel the abandoned request")
+
+    with pytest.raises(InvalidImage):
+        engine.ask(ChatRequest(prompt="x", images=(b"not an image",)))
+    with pytest.raises(PromptTooLong):
+        engine.ask(ChatRequest(prompt="word " * 600))
+
+
+def test_vlscope_in_front_of_vlscope_api_and_app(backend, tiny_model, images_dir, tmp_path, monkeypatch):
+    url, backend_db = backend
+    process, front = start_server(tiny_model, tmp_path / "front.db", tmp_path / "front.log",
+                                  VLSCOPE_REMOTE_URL=f"{url}/v1")
+    try:
+        client = openai.OpenAI(base_url=f"{front}/v1", api_key="unused", max_retries=0)
+        answer = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hello"}], max_tokens=5)
+        assert answer.choices[0].message.content
+        assert MetricsStore(backend_db).recent(1)[0].output_tokens == 5  # served by the backend
+    finally:
+        process.terminate()
+        process.wait(20)
+
+    monkeypatch.setenv("VLSCOPE_REMOTE_URL", f"{url}/v1")
+    monkeypatch.setenv("VLSCOPE_DB", str(tmp_path / "app.db"))
+    shutdown()
+    try:
+        at = AppTest.from_file(str(ROOT / "streamlit_app.py"), default_timeout=120).run()
+        at.selectbox(key="sample_image").set_value("page.png").run()
+        at.chat_input(key="chat_prompt").set_value("Read the text").run()
+        assert not at.exception
+        stats = [m for m in at.chat_message if m.name == "assistant"][0].caption[0].value
+        assert "TTFT" in stats
+        at.switch_page("pages/profiling.py").run()
+        assert not at.exception
+        assert any("remote server" in h.value for h in at.subheader)
+    finally:
+        shutdown()
