@@ -13,7 +13,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from engine import Busy, InvalidImage, PromptTooLong, RequestMetrics, StageStarted, TextChunk, VlscopeError
+from engine import (Busy, InsufficientMemory, InvalidImage, PromptTooLong, RequestMetrics, StageStarted, TextChunk,
+                    VlscopeError)
 from ui.engine_resource import engine_slot, ensure_loaded, get_store
 
 from . import prometheus
@@ -72,6 +73,8 @@ def _engine_error(exc: VlscopeError) -> ApiError:
         return ApiError(429, exc.message, "rate_limit_error", "busy", retry_after=5)
     if isinstance(exc, (InvalidImage, PromptTooLong)):
         return ApiError(400, exc.message, "invalid_request_error", exc.kind)
+    if isinstance(exc, InsufficientMemory):
+        return ApiError(503, exc.message, "server_error", exc.kind, retry_after=30)
     return ApiError(500, exc.message, "server_error", exc.kind)
 
 

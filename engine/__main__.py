@@ -115,6 +115,22 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_soak(args) -> int:
+    import tempfile
+    from pathlib import Path
+
+    from .soak import soak
+
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="vlscope-soak-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    result = soak(args.model or EngineConfig.from_env().model, args.requests, args.clients, args.seconds, workdir,
+                  report=lambda message: print(message, file=sys.stderr, flush=True))
+    print(json.dumps(result, indent=1))
+    healthy = (result["one_record_per_request"] and result["server_errors"] == 0 and result["rss_growth"] < 0.05
+               and result["health_at_end"] == "ready")
+    return 0 if healthy else 1
+
+
 def _fail(exc: BaseException) -> int:
     print(f"error: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", file=sys.stderr)
     return 2
@@ -155,6 +171,14 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--db", help="metrics database for the engine's records")
     bench.add_argument("--no-drift", action="store_true", help="skip the precision drift measurement")
     bench.set_defaults(run=cmd_bench)
+
+    soak = commands.add_parser("soak", help="bounded load and fault run against a local server")
+    soak.add_argument("--model", help="model for the server (default VLSCOPE_MODEL)")
+    soak.add_argument("--requests", type=int, default=200)
+    soak.add_argument("--clients", type=int, default=4)
+    soak.add_argument("--seconds", type=float, default=1800, help="stop sending after this long")
+    soak.add_argument("--workdir", help="where the server's database and log go (default a temp folder)")
+    soak.set_defaults(run=cmd_soak)
 
     args = parser.parse_args(argv)
     return args.run(args)

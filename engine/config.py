@@ -49,6 +49,8 @@ class EngineConfig:
     # Refuse images larger than this before decoding them (decompression bombs).
     max_image_pixels: int = 64_000_000
     max_image_bytes: int = 50 * 1024 * 1024
+    # Memory a request may use beyond the weights; 0: whatever the machine has available when it starts.
+    memory_limit_bytes: int = 0
     # A remote OpenAI-compatible server instead of a local model (e.g. http://host:8000/v1): vLLM, llama.cpp,
     # Ollama or another vlscope. Empty: the local model.
     remote_url: str = ""

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import time
 import uuid
@@ -14,13 +15,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Union
 
+import psutil
 import torch
 from PIL import Image
 
 from .config import EngineConfig
-from .errors import Busy, GenerationFailed, InvalidImage, PromptTooLong, VlscopeError
+from .errors import Busy, GenerationFailed, InsufficientMemory, InvalidImage, PromptTooLong, VlscopeError
 from .generate import decode_n_tokens, encode_images, prefill, sample
 from .images import enhance_for_ocr, fit_to_budget, load_image, vision_token_count
+from .memory import available_bytes, estimate_request_bytes
 from .metrics import RequestMetrics, RssSampler, current_rss
 from .model_loading import LoadedModel, ProgressCallback, load_model
 from .prefix_cache import CachedSequence, PrefixCache, image_spans
@@ -106,6 +109,7 @@ class Engine:
         self.config = config or EngineConfig.from_env()
         report = progress or (lambda fraction, message: None)
         self.store = store if store is not None else MetricsStore(self.config.db_path)
+        self.store.mark_interrupted(psutil.pid_exists)  # requests a killed server left running
         self.loaded: LoadedModel = load_model(self.config, report)
         text_config = self.loaded.model.config.get_text_config()
         self.info = EngineInfo(
@@ -194,6 +198,8 @@ class Engine:
         """Worker thread: one request from queue exit to metrics."""
         queue_wait = time.perf_counter() - job.enqueued_perf
         facts: dict = {"queue_wait_s": queue_wait, "started_at": time.time()}
+        # On record before any compute: if the process dies now, the next start relabels it 'interrupted'.
+        self._finish(job, "running", **facts)
         result: BaseException | None = None
         status = "ok"
         with torch.inference_mode(), RssSampler() as rss:
@@ -203,7 +209,7 @@ class Engine:
                 else:
                     status = self._generate(job, facts)
             except VlscopeError as exc:
-                status, result = ("refused" if isinstance(exc, PromptTooLong) else "error"), exc
+                status, result = ("refused" if isinstance(exc, (PromptTooLong, InsufficientMemory)) else "error"), exc
             except Exception as exc:
                 log.exception("request %s failed", job.id)
                 result = GenerationFailed(f"generation failed: {type(exc).__name__}: {exc}")
@@ -236,6 +242,7 @@ class Engine:
             facts.update(resized_sizes=tuple(sizes), vision_tokens=sum(vision_token_count(s) for s in sizes),
                          prompt_tokens=prompt_tokens)
             self._check_length(prompt_tokens, max_new_tokens)
+            self._check_memory(sizes, prompt_tokens, max_new_tokens)
             keys = tuple(f"{image.sha256}/{int(request.enhance_for_ocr)}/{w}x{h}"
                          for image, (w, h) in zip(job.images, sizes))
             spans = image_spans(prompt.mm_token_type_ids)
@@ -329,6 +336,18 @@ class Engine:
                 f"of {self.info.context_length} tokens."
             )
 
+    def _check_memory(self, sizes, prompt_tokens: int, max_new_tokens: int) -> None:
+        patches = sum(width * height // 256 for width, height in sizes)
+        value_bytes = 4 if self.config.dtype == "float32" else 2
+        need = estimate_request_bytes(self.loaded.model.config, patches, prompt_tokens, max_new_tokens, value_bytes)
+        room = self.config.memory_limit_bytes or available_bytes()
+        if need > room:
+            raise InsufficientMemory(
+                f"This request needs about {need / 2**30:.1f} GiB beyond the model's weights and "
+                f"{room / 2**30:.1f} GiB is available. Use fewer or smaller images, a lower image token budget, "
+                "fewer new tokens, or bfloat16."
+            )
+
     def _finish(self, job: Job, status: str, error: BaseException | None = None, **facts) -> RequestMetrics:
         """Build the request's metrics record, persist it, and return it."""
         config, request = self.config, job.request
@@ -366,9 +385,10 @@ class Engine:
             error=str(error) if error is not None else None,
             prompt=request.prompt if config.store_content else None,
             answer=answer if config.store_content else None,
+            pid=os.getpid(),
             **facts,
         )
-        if config.store_content:
+        if config.store_content and status != "running":
             self._save_images(job)
         self.store.add(metrics)
         return metrics

@@ -20,6 +20,10 @@ class PromptTooLong(VlscopeError):
     kind = "prompt_too_long"
 
 
+class InsufficientMemory(VlscopeError):
+    kind = "insufficient_memory"
+
+
 class Busy(VlscopeError):
     kind = "busy"
 

@@ -10,7 +10,9 @@ import psutil
 
 # Stage names in the order a request meets them. Every stage is timed apart; their sum never exceeds e2e_s.
 STAGES = ("load_images", "ocr_enhance", "preprocess", "vision_encode", "prefill", "decode", "detokenize")
-STATUSES = ("ok", "cancelled", "error", "refused")
+# running: written when the worker starts, replaced when it ends; interrupted: a running record whose server
+# process died (found and relabelled at the next start).
+STATUSES = ("ok", "cancelled", "error", "refused", "running", "interrupted")
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,7 @@ class RequestMetrics:
     error_type: str | None = None
     error: str | None = None
     server_metrics: dict | None = None  # a remote server's own timings, when it reports them
+    pid: int = 0  # the serving process, to tell a dead server's unfinished records from a live one's
     prompt: str | None = None  # only when storing content is on
     answer: str | None = None
 

@@ -22,19 +22,26 @@ class ImagePatches:
     image_grid_thw: torch.Tensor  # (images, 3) in 16-pixel patches
 
 
+def clean_text(text: str) -> str:
+    """Valid Unicode for the tokenizer: a lone surrogate (which JSON can carry) becomes U+FFFD instead of an error."""
+    return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
 def chat_messages(history, prompt: str, image_counts: list[int]) -> list[dict]:
     """OpenAI-style messages for the chat template. image_counts gives, per user turn in order, its image count."""
     messages = []
     counts = iter(image_counts)
     for turn in history:
+        text = clean_text(turn.text)
         if turn.role == "user":
-            content = [{"type": "image"}] * next(counts) + [{"type": "text", "text": turn.text}]
+            content = [{"type": "image"}] * next(counts) + [{"type": "text", "text": text}]
         elif turn.role == "system":
-            content = turn.text
+            content = text
         else:
-            content = [{"type": "text", "text": turn.text}]
+            content = [{"type": "text", "text": text}]
         messages.append({"role": turn.role, "content": content})
-    messages.append({"role": "user", "content": [{"type": "image"}] * next(counts) + [{"type": "text", "text": prompt}]})
+    messages.append({"role": "user", "content": [{"type": "image"}] * next(counts)
+                     + [{"type": "text", "text": clean_text(prompt)}]})
     return messages
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import json
 import logging
@@ -10,6 +11,7 @@ import sqlite3
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -48,9 +50,12 @@ CSV_COLUMNS = (
 class MetricsStore:
     """One connection per thread; writers wait on each other through SQLite's busy timeout, readers never block."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, busy_timeout_s: float = 2.0):
         self.path = Path(path)
+        self.busy_timeout_s = busy_timeout_s
         self.last_error: str | None = None  # the latest write failure, for the UI to show
+        self._pending: list[RequestMetrics] = []  # records a failed write kept, retried with the next one
+        self._pending_lock = threading.Lock()
         self._local = threading.local()
         if str(self.path) != ":memory:":
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -70,32 +75,41 @@ class MetricsStore:
     def _connection(self) -> sqlite3.Connection:
         connection = getattr(self._local, "connection", None)
         if connection is None:
-            connection = sqlite3.connect(self.path, timeout=10.0, isolation_level=None, check_same_thread=True)
+            # A short busy timeout: a locked database delays bookkeeping briefly, never an answer for long.
+            connection = sqlite3.connect(self.path, timeout=self.busy_timeout_s, isolation_level=None,
+                                         check_same_thread=True)
             connection.execute("PRAGMA journal_mode=WAL")
             connection.execute("PRAGMA synchronous=NORMAL")
             self._local.connection = connection
         return connection
 
     def add(self, metrics: RequestMetrics) -> bool:
-        """Write one record (or replace it, by id). A failure is logged and kept in last_error, never raised:
-        an answer must not be lost because its bookkeeping failed."""
-        record = metrics.to_dict()
-        try:
-            self._connection().execute(
-                "INSERT OR REPLACE INTO requests VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
-                (
-                    metrics.id, metrics.submitted_at, metrics.finished_at, metrics.status, metrics.source,
-                    int(metrics.warmup), metrics.model, int(metrics.synthetic), metrics.dtype, metrics.threads,
-                    metrics.ttft_s, metrics.decode_tokens_per_s, metrics.e2e_s, metrics.rss_peak_bytes,
-                    json.dumps(record),
-                ),
-            )
-        except sqlite3.Error as exc:
-            self.last_error = f"could not write metrics to {self.path}: {exc}"
-            log.error(self.last_error)
-            return False
-        self.last_error = None
-        return True
+        """Write one record (or replace it, by id). A failure is logged and kept in last_error, never raised, and
+        the record is kept in memory and written with the next successful add: nothing is lost to a lock."""
+        with self._pending_lock:
+            batch = [m for m in self._pending if m.id != metrics.id] + [metrics]
+            try:
+                connection = self._connection()
+                with connection:
+                    connection.execute("BEGIN IMMEDIATE")
+                    connection.executemany("INSERT OR REPLACE INTO requests VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                                           [_row(m) for m in batch])
+            except sqlite3.Error as exc:
+                self._pending = batch[-1000:]
+                self.last_error = f"could not write metrics to {self.path}: {exc} ({len(self._pending)} kept to retry)"
+                log.error(self.last_error)
+                return False
+            self._pending = []
+            self.last_error = None
+            return True
+
+    def mark_interrupted(self, alive: Callable[[int], bool]) -> int:
+        """Relabel 'running' records whose serving process is gone: the server died mid-request."""
+        stale = [m for m in self._select("WHERE status = 'running'") if m.pid != os.getpid() and not alive(m.pid)]
+        for record in stale:
+            self.add(dataclasses.replace(record, status="interrupted",
+                                         error="the server stopped before this request finished"))
+        return len(stale)
 
     def _select(self, where: str = "", params: tuple = (), limit: int | None = None) -> list[RequestMetrics]:
         sql = f"SELECT record FROM requests {where} ORDER BY submitted_at DESC"
@@ -126,6 +140,14 @@ class MetricsStore:
         if connection is not None:
             connection.close()
             self._local.connection = None
+
+
+def _row(metrics: RequestMetrics) -> tuple:
+    return (
+        metrics.id, metrics.submitted_at, metrics.finished_at, metrics.status, metrics.source, int(metrics.warmup),
+        metrics.model, int(metrics.synthetic), metrics.dtype, metrics.threads, metrics.ttft_s,
+        metrics.decode_tokens_per_s, metrics.e2e_s, metrics.rss_peak_bytes, json.dumps(metrics.to_dict()),
+    )
 
 
 def stage_percentiles(records: list[RequestMetrics], percentiles=(50, 95)) -> dict[str, dict[int, float]]:

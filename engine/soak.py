@@ -1,0 +1,162 @@
+"""`python -m engine soak`: a bounded load and fault run against a real vlscope server on localhost.
+
+Starts `uvicorn app:app` on a free local port, drives concurrent API clients with a mix of good requests, bad
+images, over-long prompts, cancellations and disconnects, then checks what a hosted server must guarantee:
+every request answered or refused cleanly, memory flat after warm-up, exactly one metrics record per request.
+"""
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import random
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+from PIL import Image
+
+from .config import PROJECT_DIR
+from .store import MetricsStore
+
+KINDS = ("good", "good", "good", "bad_image", "too_long", "cancel", "disconnect")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _image_url(seed: int) -> str:
+    rng = np.random.default_rng(seed)
+    picture = Image.fromarray(rng.integers(0, 255, (120, 160, 3), dtype=np.uint8))
+    buffer = io.BytesIO()
+    picture.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def _rss(base: str) -> int:
+    text = httpx.get(f"{base}/metrics", timeout=30).text
+    return int(re.search(r"^vlscope_rss_bytes (\d+)", text, re.M).group(1))
+
+
+def _one(client: httpx.Client, base: str, kind: str, rng: random.Random) -> str:
+    """Send one request of the given kind; return the outcome as the server presented it."""
+    url = f"{base}/v1/chat/completions"
+    text = {"role": "user", "content": [{"type": "text", "text": "What is in this picture?"},
+                                        {"type": "image_url", "image_url": {"url": _image_url(rng.randrange(8))}}]}
+    if kind == "good":
+        response = client.post(url, json={"messages": [text], "max_tokens": rng.randint(2, 12)}, timeout=300)
+        return f"{response.status_code}"
+    if kind == "bad_image":
+        bad = "data:image/png;base64," + base64.b64encode(b"\x89PNG\r\n\x1a\n truncated").decode()
+        response = client.post(url, json={"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": bad}}]}]}, timeout=300)
+        return f"{response.status_code}"
+    if kind == "too_long":
+        response = client.post(url, json={"messages": [{"role": "user", "content": "word " * 20000}]}, timeout=300)
+        return f"{response.status_code}"
+    if kind == "cancel":  # a stream the client stops reading after the first token
+        with client.stream("POST", url, json={"messages": [text], "max_tokens": 2000, "stream": True},
+                           timeout=300) as response:
+            for line in response.iter_lines():
+                if '"content": "' in line and '"content": ""' not in line:
+                    break
+        return "cancelled-by-client"
+    # disconnect: a non-streaming client that gives up before the answer
+    try:
+        client.post(url, json={"messages": [text], "max_tokens": 2000}, timeout=1.0)
+        return "answered-before-timeout"
+    except httpx.TimeoutException:
+        return "disconnected"
+
+
+def soak(model: str, requests: int, clients: int, seconds: float, workdir: Path, report=print) -> dict:
+    port, db = _free_port(), workdir / "soak.db"
+    env = dict(os.environ, VLSCOPE_MODEL=model, VLSCOPE_DB=str(db), VLSCOPE_MAX_NEW_TOKENS="64",
+               VLSCOPE_MAX_QUEUE=str(clients + 2), VLSCOPE_MAX_INPUT_TOKENS="4096")
+    log = open(workdir / "server.log", "w")
+    server = subprocess.Popen([sys.executable, "-m", "uvicorn", "app:app", "--host", "127.0.0.1", "--port", str(port)],
+                              cwd=PROJECT_DIR, env=env, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    outcomes: dict[str, int] = {}
+    lock = threading.Lock()
+    sent = 0
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        else:
+            raise RuntimeError("the server did not become ready; see " + str(workdir / "server.log"))
+        warm = httpx.Client()
+        for seed in range(3):  # warm the allocator and caches before the memory baseline
+            _one(warm, base, "good", random.Random(seed))
+        rss_start = _rss(base)
+        started, stop_at = time.time(), time.time() + seconds
+        plan = [KINDS[i % len(KINDS)] for i in range(requests)]
+        random.Random(7).shuffle(plan)
+
+        def client_loop(index: int) -> None:
+            nonlocal sent
+            rng, client = random.Random(index), httpx.Client()
+            while time.time() < stop_at:
+                with lock:
+                    if not plan:
+                        return
+                    kind = plan.pop()
+                    sent += 1
+                try:
+                    outcome = f"{kind}:{_one(client, base, kind, rng)}"
+                except httpx.HTTPError as exc:
+                    outcome = f"{kind}:client-error:{type(exc).__name__}"
+                with lock:
+                    outcomes[outcome] = outcomes.get(outcome, 0) + 1
+                    done = sum(outcomes.values())
+                if done % 20 == 0:
+                    report(f"{done}/{requests} requests, {time.time() - started:.0f} s")
+
+        threads = [threading.Thread(target=client_loop, args=(i,)) for i in range(clients)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        time.sleep(2)  # the last cancelled generations finish their bookkeeping
+        rss_end = _rss(base)
+        health = httpx.get(f"{base}/health", timeout=10).json()
+    finally:
+        server.terminate()
+        server.wait(30)
+        log.close()
+    records = [r for r in MetricsStore(db).between(0) if not r.warmup]
+    waits = [r.queue_wait_s for r in records if r.started_at is not None]
+    statuses: dict[str, int] = {}
+    for record in records:
+        statuses[record.status] = statuses.get(record.status, 0) + 1
+    return {
+        "requests_sent": sent + 3,  # the three warm-up requests are real API requests too
+        "outcomes": dict(sorted(outcomes.items())),
+        "records": len(records),
+        "records_by_status": statuses,
+        "one_record_per_request": len(records) == sent + 3,
+        "server_errors": sum(n for k, n in outcomes.items() if re.search(r":5\d\d$", k) or "client-error" in k),
+        "queue_wait_p50_s": float(np.percentile(waits, 50)) if waits else None,
+        "queue_wait_p95_s": float(np.percentile(waits, 95)) if waits else None,
+        "rss_after_warmup_bytes": rss_start,
+        "rss_end_bytes": rss_end,
+        "rss_growth": (rss_end - rss_start) / rss_start,
+        "health_at_end": health.get("status"),
+        "seconds": time.time() - started,
+    }
