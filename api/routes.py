@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import threading
+import time
 
 import anyio
 from starlette.requests import Request
@@ -95,14 +96,20 @@ async def _read_json(request: Request) -> dict:
 
 
 async def _events(handle, request: Request):
-    """The request's engine events, without blocking the event loop; a client that goes away cancels it."""
+    """The request's engine events, without blocking the event loop; a client that goes away cancels it.
+
+    The client is checked every POLL_S seconds even while tokens flow: a non-streaming client that gave up
+    would otherwise keep the CPU busy until its answer was complete."""
     try:
+        checked = time.monotonic()
         while True:
             event = await anyio.to_thread.run_sync(handle.next_event, POLL_S)
-            if event is None:
+            if event is None or time.monotonic() - checked >= POLL_S:
+                checked = time.monotonic()
                 if await request.is_disconnected():
                     handle.cancel()
                     return
+            if event is None:
                 continue
             yield event
             if isinstance(event, RequestMetrics):

@@ -24,9 +24,9 @@ from .advisor import advise
 from .config import SKELETON_DIR, EngineConfig
 from .engine import Engine
 from .images import fit_to_budget
-from .metrics import RequestMetrics, RssSampler
+from .metrics import RssSampler
 from .model_loading import has_weights, load_model
-from .preprocess import chat_messages, image_grids, patchify_images, tokenize_prompt
+from .preprocess import chat_messages, patchify_images, tokenize_prompt
 from .quantize import Int8Linear
 from .request import ChatRequest, Turn
 from .system import system_report
@@ -69,16 +69,19 @@ class CaseResult:
 def measure_ceilings(threads: int) -> dict:
     """Memory bandwidth (read of a tensor much larger than the caches) and matmul rates at model-like shapes."""
     torch.set_num_threads(threads)
-    big = torch.ones(256 * 1024 * 1024 // 4 * 8)  # 2 GiB of float32
-    best = min(_timed(lambda: big.sum()) for _ in range(3))
-    bandwidth = big.numel() * 4 / best / 1e9
-    del big
+    bandwidth = _read_bandwidth()
     rates = {}
     for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
         a, b = torch.randn(256, 2048).to(dtype), torch.randn(2048, 6144).to(dtype)
         seconds = min(_timed(lambda: a @ b) for _ in range(5))
         rates[name] = 2 * 256 * 2048 * 6144 / seconds / 1e9
     return {"memory_read_gb_per_s": bandwidth, "matmul_gflops": rates}
+
+
+def _read_bandwidth() -> float:
+    big = torch.ones(512 * 1024 * 1024)  # 2 GiB of float32, far beyond any cache
+    best = min(_timed(big.sum) for _ in range(3))
+    return big.numel() * 4 / best / 1e9
 
 
 def _timed(fn) -> float:

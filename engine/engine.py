@@ -103,7 +103,31 @@ class RequestHandle:
         return self._job.cancelled.is_set()
 
 
-class Engine:
+class StreamingMixin:
+    """stream() and ask() for any engine with submit(): the local one and the remote one alike."""
+
+    def stream(self, request: ChatRequest) -> Iterator[Event]:
+        """Yield Queued, StageStarted and TextChunk events, then the RequestMetrics. Errors raise VlscopeError.
+
+        Closing the generator early (a stop button, a rerun, a dropped connection) cancels the request."""
+        handle = self.submit(request)
+        try:
+            yield from handle.events()
+        finally:
+            handle.cancel()
+
+    def ask(self, request: ChatRequest) -> Answer:
+        """The blocking form: the whole answer and its metrics."""
+        parts: list[str] = []
+        for event in self.stream(request):
+            if isinstance(event, TextChunk):
+                parts.append(event.text)
+            elif isinstance(event, RequestMetrics):
+                return Answer("".join(parts), event)
+        raise GenerationFailed("the request ended without metrics")  # unreachable: events() ends with metrics
+
+
+class Engine(StreamingMixin):
     def __init__(self, config: EngineConfig | None = None, progress: ProgressCallback | None = None,
                  store: MetricsStore | None = None):
         self.config = config or EngineConfig.from_env()
@@ -148,26 +172,6 @@ class Engine:
             exc.metrics = self._finish(job, "refused", error=exc)
             raise
         return RequestHandle(job)
-
-    def stream(self, request: ChatRequest) -> Iterator[Event]:
-        """Yield Queued, StageStarted and TextChunk events, then the RequestMetrics. Errors raise VlscopeError.
-
-        Closing the generator early (a stop button, a rerun, a dropped connection) cancels the request."""
-        handle = self.submit(request)
-        try:
-            yield from handle.events()
-        finally:
-            handle.cancel()
-
-    def ask(self, request: ChatRequest) -> Answer:
-        """The blocking form: the whole answer and its metrics."""
-        parts: list[str] = []
-        for event in self.stream(request):
-            if isinstance(event, TextChunk):
-                parts.append(event.text)
-            elif isinstance(event, RequestMetrics):
-                return Answer("".join(parts), event)
-        raise GenerationFailed("the request ended without metrics")  # unreachable: events() ends with metrics
 
     def warm_up(self) -> RequestMetrics:
         """One short request at load, so the first user request does not pay for first-touch costs.

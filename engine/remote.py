@@ -7,7 +7,6 @@ import base64
 import io
 import json
 import logging
-import queue
 import threading
 import time
 import uuid
@@ -15,7 +14,7 @@ import uuid
 import httpx
 
 from .config import EngineConfig
-from .engine import EngineInfo, RequestHandle
+from .engine import EngineInfo, RequestHandle, StreamingMixin
 from .errors import Busy, GenerationFailed, InvalidImage, ModelUnavailable, PromptTooLong, VlscopeError
 from .images import load_image
 from .metrics import RequestMetrics, current_rss
@@ -26,7 +25,7 @@ from .store import MetricsStore
 log = logging.getLogger(__name__)
 
 
-class RemoteEngine:
+class RemoteEngine(StreamingMixin):
     def __init__(self, config: EngineConfig, store: MetricsStore | None = None, progress=None):
         self.config = config
         self.store = store if store is not None else MetricsStore(config.db_path)
@@ -71,24 +70,6 @@ class RemoteEngine:
             self._in_flight += 1
         threading.Thread(target=self._run, args=(job,), name="vlscope-remote", daemon=True).start()
         return RequestHandle(job)
-
-    def stream(self, request: ChatRequest):
-        handle = self.submit(request)
-        try:
-            yield from handle.events()
-        finally:
-            handle.cancel()
-
-    def ask(self, request: ChatRequest):
-        from .engine import Answer
-
-        parts = []
-        for event in self.stream(request):
-            if isinstance(event, TextChunk):
-                parts.append(event.text)
-            elif isinstance(event, RequestMetrics):
-                return Answer("".join(parts), event)
-        raise GenerationFailed("the request ended without metrics")
 
     def close(self) -> None:
         self._client.close()

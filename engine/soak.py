@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import base64
 import io
-import json
 import os
 import random
 import re

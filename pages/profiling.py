@@ -13,14 +13,16 @@ WINDOWS = {"last 15 minutes": 15 * 60, "last hour": 3600, "last 24 hours": 86400
 GIB = 1 << 30
 
 st.title("Profiling")
-controls = st.columns([2, 3, 2, 1, 1])
+STATUSES = ["ok", "cancelled", "error", "refused", "running", "interrupted"]
+controls = st.columns([2, 3, 2, 2, 1, 1])
 window = controls[0].selectbox("Time window", list(WINDOWS), index=1, key="prof_window")
-statuses = controls[1].multiselect("Status", ["ok", "cancelled", "error", "refused"], default=["ok", "cancelled",
-                                   "error", "refused"], key="prof_status")
+statuses = controls[1].multiselect("Status", STATUSES, default=STATUSES, key="prof_status")
 sources = controls[2].multiselect("Source", ["app", "api", "cli", "bench", "python", "warmup"], key="prof_source",
                                   placeholder="all sources")
-show_warmups = controls[3].toggle("Warm-ups", value=False, key="prof_warmups")
-live = controls[4].toggle("Live", value=True, key="prof_live", help="Refresh every 2 seconds; off to pause.")
+dtypes = controls[3].multiselect("Precision", ["float32", "bfloat16", "int8", "remote"], key="prof_dtype",
+                                 placeholder="all precisions")
+show_warmups = controls[4].toggle("Warm-ups", value=False, key="prof_warmups")
+live = controls[5].toggle("Live", value=True, key="prof_live", help="Refresh every 2 seconds; off to pause.")
 
 
 @st.fragment(run_every=2 if live else None)
@@ -29,7 +31,7 @@ def live_view() -> None:
     seconds = WINDOWS[window]
     records = store.between(time.time() - seconds) if seconds else store.recent(1000)
     records = [r for r in records if r.status in statuses and (show_warmups or not r.warmup)
-               and (not sources or r.source in sources)]
+               and (not sources or r.source in sources) and (not dtypes or r.dtype in dtypes)]
     if store.last_error:
         st.error(store.last_error)
     if not records:

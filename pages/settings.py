@@ -1,7 +1,7 @@
 """Settings page: change model, precision, threads or image budget; applying reloads the model for everyone."""
 import streamlit as st
 
-from engine import DTYPES, EngineConfig
+from engine import DTYPES
 from ui.engine_resource import apply_settings, current_settings
 
 st.title("Settings")

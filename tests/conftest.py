@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import sys
 from pathlib import Path
 
@@ -19,6 +20,12 @@ from engine.model_loading import make_tiny  # noqa: E402
 SHARED = Path(os.environ.get("VLSCOPE_SHARED", ROOT.parent / "shared"))
 IMAGES = SHARED / "images"
 FULL_SKELETON = SHARED / "qwen3-vl-2b" if (SHARED / "qwen3-vl-2b").is_dir() else SKELETON_DIR
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import base64
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -16,13 +15,7 @@ import pytest
 
 from engine import MetricsStore
 
-from .conftest import ROOT
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from .conftest import ROOT, free_port
 
 
 def start_server(tiny_model, db, log_path, **env_overrides):

@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import streamlit as st
 from streamlit.testing.v1 import AppTest
 
 from engine import ChatRequest, MetricsStore, TextChunk
