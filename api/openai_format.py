@@ -108,6 +108,7 @@ def to_chat_request(body: dict, allowed_hosts: frozenset[str], max_image_bytes: 
         prompt=prompt, images=images, history=tuple(Turn(r, t, i) for r, t, i in parsed[:-1]),
         max_new_tokens=max_tokens, temperature=_number(body, "temperature", float, 0, 2),
         top_p=_number(body, "top_p", float, 0, 1, inclusive_low=False), source="api",
+        ignore_eos=bool(body.get("ignore_eos", False)),  # vLLM's extension, for fixed-length benchmarks
     )
 
 

@@ -126,7 +126,8 @@ def run_engine_case(engine: Engine, case: Case, image: Image.Image, repeats: int
             images = (image,) if turn == 0 else ()
             # Every repetition starts cold; only a conversation's own follow-ups reuse its cache.
             answer = engine.ask(ChatRequest(prompt=prompt, images=images, history=tuple(history),
-                                            max_new_tokens=case.max_new_tokens, source="bench", reuse_cache=turn > 0))
+                                            max_new_tokens=case.max_new_tokens, source="bench", reuse_cache=turn > 0,
+                                            ignore_eos=True))
             record = answer.metrics.to_dict()
             record["turn"] = turn + 1
             records.append(record)
@@ -163,7 +164,7 @@ def run_baseline_case(model_source: str, case: Case, image: Image.Image, threads
                 input_ids=prompt.input_ids, attention_mask=torch.ones_like(prompt.input_ids),
                 mm_token_type_ids=prompt.mm_token_type_ids, pixel_values=patches.pixel_values,
                 image_grid_thw=patches.image_grid_thw, max_new_tokens=case.max_new_tokens, do_sample=False,
-                streamer=Clock(loaded.tokenizer), use_cache=case.kv_cache,
+                streamer=Clock(loaded.tokenizer), use_cache=case.kv_cache, min_new_tokens=case.max_new_tokens,
             )
         finished = time.perf_counter()
     generated = output.shape[1] - prompt.input_ids.shape[1]

@@ -286,7 +286,7 @@ class Engine(StreamingMixin):
         loaded, emit, model = self.loaded, job.events.put, self.loaded.model
 
         detokenizer = Detokenizer(loaded.tokenizer)
-        stop_ids = set(loaded.eos_token_ids)
+        stop_ids = set() if job.request.ignore_eos else set(loaded.eos_token_ids)
         latencies: list[float] = []
         output_tokens = 0
 

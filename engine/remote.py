@@ -102,6 +102,8 @@ class RemoteEngine(StreamingMixin):
         body = {"model": self.model_name, "messages": self._messages(job), "stream": True,
                 "stream_options": {"include_usage": True},
                 "max_tokens": request.max_new_tokens or self.config.max_new_tokens}
+        if request.ignore_eos:
+            body["ignore_eos"] = True  # understood by vLLM and vlscope
         for name in ("temperature", "top_p"):
             value = getattr(request, name)
             body[name] = value if value is not None else getattr(self.config, name)

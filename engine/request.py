@@ -30,6 +30,7 @@ class ChatRequest:
     source: str = "python"  # who asked: cli, app, api, bench...
     warmup: bool = False
     reuse_cache: bool = True  # False: start cold, as a new conversation would (benchmarks)
+    ignore_eos: bool = False  # True: always generate max_new_tokens (benchmarks compare equal lengths)
 
     def __post_init__(self) -> None:
         for turn in self.history:

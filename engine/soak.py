@@ -64,7 +64,7 @@ def _one(client: httpx.Client, base: str, kind: str, rng: random.Random) -> str:
         response = client.post(url, json={"messages": [{"role": "user", "content": "word " * 20000}]}, timeout=300)
         return f"{response.status_code}"
     if kind == "cancel":  # a stream the client stops reading after the first token
-        with client.stream("POST", url, json={"messages": [text], "max_tokens": 2000, "stream": True},
+        with client.stream("POST", url, json={"messages": [text], "max_tokens": 2000, "ignore_eos": True, "stream": True},
                            timeout=300) as response:
             for line in response.iter_lines():
                 if '"content": "' in line and '"content": ""' not in line:
@@ -72,7 +72,7 @@ def _one(client: httpx.Client, base: str, kind: str, rng: random.Random) -> str:
         return "cancelled-by-client"
     # disconnect: a non-streaming client that gives up before the answer
     try:
-        client.post(url, json={"messages": [text], "max_tokens": 2000}, timeout=1.0)
+        client.post(url, json={"messages": [text], "max_tokens": 2000, "ignore_eos": True}, timeout=1.0)
         return "answered-before-timeout"
     except httpx.TimeoutException:
         return "disconnected"

@@ -82,6 +82,21 @@ def test_non_streaming_and_streaming_answers(server, images_dir):
     assert 'vlscope_requests_total{status="ok",source="api"} 2' in prometheus
     assert 'vlscope_stage_seconds_count{stage="prefill"} 2' in prometheus
 
+    # the profiling page (another process, same database) shows the API's requests with their source
+    from streamlit.testing.v1 import AppTest
+
+    from ui.engine_resource import shutdown
+
+    os.environ["VLSCOPE_DB"] = str(db)
+    try:
+        shutdown()
+        at = AppTest.from_file(str(ROOT / "pages" / "profiling.py"), default_timeout=60).run()
+        at.multiselect(key="prof_source").set_value(["api"]).run()
+        assert {m.label: m.value for m in at.metric}["requests"] == "2"
+    finally:
+        del os.environ["VLSCOPE_DB"]
+        shutdown()
+
 
 def test_bad_inputs_get_openai_errors(server, images_dir):
     url, _ = server
@@ -119,12 +134,13 @@ def test_api_keys_body_limit_and_busy_queue(tiny_model, images_dir, tmp_path):
         # hold the only slot with a long stream, then a second request is refused with Retry-After
         holder = httpx.Client(timeout=60).stream("POST", f"{url}/v1/chat/completions", headers={"Authorization": "Bearer k1"},
                                                  json={"messages": [{"role": "user", "content": "long"}],
-                                                       "max_tokens": 5000, "stream": True})
+                                                       "max_tokens": 5000, "ignore_eos": True, "stream": True})
         with holder as response:
             next(response.iter_lines())
             busy = httpx.post(f"{url}/v1/chat/completions", headers={"Authorization": "Bearer k1"},
                               json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
-            assert busy.status_code == 429 and int(busy.headers["retry-after"]) > 0
+            records = [(r.status, r.max_new_tokens, r.error) for r in MetricsStore(tmp_path / "api.db").recent(5)]
+            assert busy.status_code == 429 and int(busy.headers["retry-after"]) > 0, (busy.text, records)
             assert busy.json()["error"]["code"] == "busy"
     finally:
         process.terminate()
@@ -135,7 +151,7 @@ def test_concurrent_clients_are_served_in_order_and_disconnect_frees_the_queue(s
     url, db = server
     # a client that leaves mid-stream: its generation is cancelled and the queue moves on
     with httpx.Client(timeout=60).stream("POST", f"{url}/v1/chat/completions",
-                                         json={"messages": [{"role": "user", "content": "long"}], "max_tokens": 5000,
+                                         json={"messages": [{"role": "user", "content": "long"}], "max_tokens": 5000, "ignore_eos": True,
                                                "stream": True}) as response:
         lines = response.iter_lines()
         next(lines)

@@ -105,7 +105,7 @@ def test_too_long_prompt_and_busy_queue_are_explained(app_env, monkeypatch):
     from ui.engine_resource import get_engine
 
     engine = get_engine().engine  # the app's own engine: cached once per process
-    holder = engine.submit(ChatRequest(prompt="hold the model", max_new_tokens=5000))
+    holder = engine.submit(ChatRequest(prompt="hold the model", max_new_tokens=5000, ignore_eos=True))
     events = holder.events()
     next(e for e in events if isinstance(e, TextChunk))
     try:

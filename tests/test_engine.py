@@ -124,7 +124,7 @@ def first_text(stream) -> None:
 
 
 def test_cancel_stops_within_a_step_and_frees_the_queue(engine):
-    handle = engine.submit(ChatRequest(prompt="Write a long story", max_new_tokens=5000))
+    handle = engine.submit(ChatRequest(prompt="Write a long story", max_new_tokens=5000, ignore_eos=True))
     events = handle.events()
     first_text(events)
     cancelled_at = time.perf_counter()
@@ -137,7 +137,7 @@ def test_cancel_stops_within_a_step_and_frees_the_queue(engine):
 
 
 def test_dropping_the_stream_cancels_it(engine):
-    stream = engine.stream(ChatRequest(prompt="Write a long story", max_new_tokens=5000))
+    stream = engine.stream(ChatRequest(prompt="Write a long story", max_new_tokens=5000, ignore_eos=True))
     first_text(stream)
     stream.close()
     follow = engine.ask(ChatRequest(prompt="Next", max_new_tokens=3))
@@ -148,7 +148,7 @@ def test_dropping_the_stream_cancels_it(engine):
 
 def test_queue_bound_positions_and_cancel_while_waiting(make_engine):
     engine = make_engine(max_queue=1)
-    running = engine.submit(ChatRequest(prompt="Long", max_new_tokens=5000))
+    running = engine.submit(ChatRequest(prompt="Long", max_new_tokens=5000, ignore_eos=True))
     running_events = running.events()
     first_text(running_events)
     waiting = engine.submit(ChatRequest(prompt="Second", max_new_tokens=3))
@@ -168,7 +168,7 @@ def test_queue_bound_positions_and_cancel_while_waiting(make_engine):
 
 
 def test_concurrent_submitters_are_served_one_by_one_in_order(engine):
-    blocker = engine.submit(ChatRequest(prompt="Hold the worker", max_new_tokens=5000))
+    blocker = engine.submit(ChatRequest(prompt="Hold the worker", max_new_tokens=5000, ignore_eos=True))
     blocker_events = blocker.events()
     first_text(blocker_events)
     order_lock, submitted, results = threading.Lock(), [], {}

@@ -16,7 +16,7 @@ from engine import ChatRequest, InsufficientMemory, MetricsStore, PromptTooLong
 from streamlit.testing.v1 import AppTest
 from ui.engine_resource import shutdown
 
-from .conftest import ROOT
+from .conftest import ROOT, free_port
 from .test_api import start_server
 
 
@@ -46,7 +46,7 @@ def test_sigkill_mid_generation_then_restart(tiny_model, tmp_path):
     try:
         httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
         with httpx.Client(timeout=60).stream("POST", f"{url}/v1/chat/completions", json={
-                "messages": [{"role": "user", "content": "long"}], "max_tokens": 5000, "stream": True}) as response:
+                "messages": [{"role": "user", "content": "long"}], "max_tokens": 5000, "ignore_eos": True, "stream": True}) as response:
             lines = response.iter_lines()
             next(lines)
             next(lines)
@@ -137,3 +137,34 @@ def test_no_secret_reaches_logs_or_database(tiny_model, tmp_path):
         text = path.read_bytes()
         assert b"XYZZY" not in text and b"PLUGH" not in text and b"FROTZ" not in text
     assert oct((tmp_path / "api.db").stat().st_mode & 0o777) == "0o600"
+
+
+def test_model_load_failure_api_answers_503(tmp_path):
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    (broken / "config.json").write_text("{ this is not json")
+    port = free_port()
+    log = open(tmp_path / "server.log", "w")
+    process = subprocess.Popen([sys.executable, "-m", "uvicorn", "app:app", "--host", "127.0.0.1", "--port", str(port)],
+                               cwd=ROOT, env=dict(os.environ, VLSCOPE_MODEL=str(broken), VLSCOPE_DB=str(tmp_path / "m.db")),
+                               stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline, health = time.time() + 120, None
+        while time.time() < deadline:
+            try:
+                health = httpx.get(f"{url}/health", timeout=2)
+                if health.json()["status"] == "error":
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        assert health is not None and health.status_code == 503 and health.json()["status"] == "error"
+        answer = httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+        assert answer.status_code == 503 and "failed to load" in answer.json()["error"]["message"]
+        assert int(answer.headers["retry-after"]) > 0
+        assert httpx.get(f"{url}/").status_code == 200  # the UI is still served
+    finally:
+        process.terminate()
+        process.wait(20)
+        log.close()

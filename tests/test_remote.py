@@ -40,7 +40,7 @@ def test_remote_engine_streams_measures_and_cancels(backend, images_dir, tmp_pat
     served = MetricsStore(backend_db).recent(5, include_warmup=False)
     assert served[0].source == "api" and served[0].output_tokens == 8
 
-    handle = engine.submit(ChatRequest(prompt="long", max_new_tokens=5000))
+    handle = engine.submit(ChatRequest(prompt="long", max_new_tokens=5000, ignore_eos=True))
     events = handle.events()
     next(e for e in events if isinstance(e, TextChunk))
     handle.cancel()
