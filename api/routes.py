@@ -95,16 +95,25 @@ async def _read_json(request: Request) -> dict:
         raise ApiError(400, "the request body is not valid JSON") from None
 
 
-async def _events(handle, request: Request):
+class ClientWatch:
+    """Whether _events should poll the connection itself. Off once a StreamingResponse runs: that one listens for
+    the disconnect itself (and cancels the stream), and two readers of the connection would steal its messages."""
+
+    def __init__(self):
+        self.active = True
+
+
+async def _events(handle, request: Request, watch: ClientWatch | None = None):
     """The request's engine events, without blocking the event loop; a client that goes away cancels it.
 
     The client is checked every POLL_S seconds even while tokens flow: a non-streaming client that gave up
     would otherwise keep the CPU busy until its answer was complete."""
+    watch = watch or ClientWatch()
     try:
         checked = time.monotonic()
         while True:
             event = await anyio.to_thread.run_sync(handle.next_event, POLL_S)
-            if event is None or time.monotonic() - checked >= POLL_S:
+            if watch.active and (event is None or time.monotonic() - checked >= POLL_S):
                 checked = time.monotonic()
                 if await request.is_disconnected():
                     handle.cancel()
@@ -130,7 +139,8 @@ async def chat_completions(request: Request) -> Response:
             raise _engine_error(exc) from None
         model = engine.info.model
         if body.get("stream"):
-            events = _events(handle, request)
+            watch = ClientWatch()
+            events = _events(handle, request, watch)
             # Hold the 200 until the prompt has passed the engine's checks, so a too-long prompt is a plain 400.
             early = []
             try:
@@ -142,6 +152,7 @@ async def chat_completions(request: Request) -> Response:
             except VlscopeError as exc:
                 raise _engine_error(exc) from None
             include_usage = bool((body.get("stream_options") or {}).get("include_usage", True))
+            watch.active = False
             return StreamingResponse(_sse(handle, early, events, model, include_usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         parts, metrics = [], None
