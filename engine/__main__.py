@@ -124,10 +124,11 @@ def cmd_soak(args) -> int:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="vlscope-soak-"))
     workdir.mkdir(parents=True, exist_ok=True)
     result = soak(args.model or EngineConfig.from_env().model, args.requests, args.clients, args.seconds, workdir,
-                  report=lambda message: print(message, file=sys.stderr, flush=True))
+                  report=lambda message: print(message, file=sys.stderr, flush=True),
+                  app_sessions=args.app_sessions, app_chats=args.app_chats)
     print(json.dumps(result, indent=1))
     healthy = (result["one_record_per_request"] and result["server_errors"] == 0 and result["rss_growth"] < 0.05
-               and result["health_at_end"] == "ready")
+               and result["health_at_end"] == "ready" and "app:no-answer" not in result["outcomes"])
     return 0 if healthy else 1
 
 
@@ -177,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     soak.add_argument("--requests", type=int, default=200)
     soak.add_argument("--clients", type=int, default=4)
     soak.add_argument("--seconds", type=float, default=1800, help="stop sending after this long")
+    soak.add_argument("--app-sessions", type=int, default=1, help="browser sessions on the chat page (Chromium)")
+    soak.add_argument("--app-chats", type=int, default=3, help="questions each browser session asks")
     soak.add_argument("--workdir", help="where the server's database and log go (default a temp folder)")
     soak.set_defaults(run=cmd_soak)
 

@@ -26,6 +26,38 @@ from .config import PROJECT_DIR
 from .store import MetricsStore
 
 KINDS = ("good", "good", "good", "bad_image", "too_long", "cancel", "disconnect")
+CHROMIUM = os.environ.get("VLSCOPE_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync"]
+
+
+def _app_session(base: str, chats: int, image: Path, record, warmed: threading.Event) -> None:
+    """A person in the chat page: upload an image, ask `chats` questions, wait for each answer's stats line.
+    `warmed` is set after the first answer: the page's modules are loaded, so memory can be baselined."""
+    from playwright.sync_api import expect, sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page()
+            page.goto(base, wait_until="domcontentloaded")
+            page.get_by_test_id("stChatInputTextArea").wait_for(timeout=300_000)
+            page.locator('[data-testid="stFileUploaderDropzoneInput"]').set_input_files(str(image))
+            expect(page.get_by_text(image.name).first).to_be_visible(timeout=60_000)
+            for index in range(chats):
+                box = page.get_by_test_id("stChatInputTextArea")
+                expect(box).to_be_enabled(timeout=300_000)
+                box.fill(f"Question {index + 1} about this picture?")
+                box.press("Enter")
+                try:
+                    expect(page.get_by_text("TTFT")).to_have_count(index + 1, timeout=600_000)
+                    record("app:answered")
+                except AssertionError:
+                    record("app:no-answer")
+                warmed.set()
+        finally:
+            warmed.set()
+            browser.close()
 
 
 def _free_port() -> int:
@@ -78,7 +110,8 @@ def _one(client: httpx.Client, base: str, kind: str, rng: random.Random) -> str:
         return "disconnected"
 
 
-def soak(model: str, requests: int, clients: int, seconds: float, workdir: Path, report=print) -> dict:
+def soak(model: str, requests: int, clients: int, seconds: float, workdir: Path, report=print,
+         app_sessions: int = 1, app_chats: int = 3) -> dict:
     port, db = _free_port(), workdir / "soak.db"
     env = dict(os.environ, VLSCOPE_MODEL=model, VLSCOPE_DB=str(db), VLSCOPE_MAX_NEW_TOKENS="64",
                VLSCOPE_MAX_QUEUE=str(clients + 2), VLSCOPE_MAX_INPUT_TOKENS="4096")
@@ -100,9 +133,25 @@ def soak(model: str, requests: int, clients: int, seconds: float, workdir: Path,
             time.sleep(0.5)
         else:
             raise RuntimeError("the server did not become ready; see " + str(workdir / "server.log"))
+
+        def record(outcome: str) -> None:
+            with lock:
+                outcomes[outcome] = outcomes.get(outcome, 0) + 1
+
+        if app_sessions and not Path(CHROMIUM).exists():
+            report(f"no Chromium at {CHROMIUM}: running without app sessions")
+            app_sessions = 0
+        image = PROJECT_DIR / "samples" / "page.png"
+        warmed = [threading.Event() for _ in range(app_sessions)]
+        sessions = [threading.Thread(target=_app_session, args=(base, app_chats, image, record, event))
+                    for event in warmed]
+        for session in sessions:
+            session.start()
         warm = httpx.Client()
         for seed in range(3):  # warm the allocator and caches before the memory baseline
             _one(warm, base, "good", random.Random(seed))
+        for event in warmed:  # and the UI's modules, loaded by each session's first page and answer
+            event.wait(600)
         rss_start = _rss(base)
         started, stop_at = time.time(), time.time() + seconds
         plan = [KINDS[i % len(KINDS)] for i in range(requests)]
@@ -118,17 +167,15 @@ def soak(model: str, requests: int, clients: int, seconds: float, workdir: Path,
                     kind = plan.pop()
                     sent += 1
                 try:
-                    outcome = f"{kind}:{_one(client, base, kind, rng)}"
+                    record(f"{kind}:{_one(client, base, kind, rng)}")
                 except httpx.HTTPError as exc:
-                    outcome = f"{kind}:client-error:{type(exc).__name__}"
-                with lock:
-                    outcomes[outcome] = outcomes.get(outcome, 0) + 1
-                    done = sum(outcomes.values())
+                    record(f"{kind}:client-error:{type(exc).__name__}")
+                done = sum(outcomes.values())
                 if done % 20 == 0:
                     report(f"{done}/{requests} requests, {time.time() - started:.0f} s")
 
-        threads = [threading.Thread(target=client_loop, args=(i,)) for i in range(clients)]
-        for thread in threads:
+        threads = [threading.Thread(target=client_loop, args=(i,)) for i in range(clients)] + sessions
+        for thread in threads[:clients]:
             thread.start()
         for thread in threads:
             thread.join()
@@ -144,12 +191,14 @@ def soak(model: str, requests: int, clients: int, seconds: float, workdir: Path,
     statuses: dict[str, int] = {}
     for record in records:
         statuses[record.status] = statuses.get(record.status, 0) + 1
+    app_requests = app_sessions * app_chats
     return {
-        "requests_sent": sent + 3,  # the three warm-up requests are real API requests too
+        "requests_sent": sent + 3 + app_requests,  # the three warm-up requests are real API requests too
+        "app_sessions": app_sessions,
         "outcomes": dict(sorted(outcomes.items())),
         "records": len(records),
         "records_by_status": statuses,
-        "one_record_per_request": len(records) == sent + 3,
+        "one_record_per_request": len(records) == sent + 3 + app_requests,
         "server_errors": sum(n for k, n in outcomes.items() if re.search(r":5\d\d$", k) or "client-error" in k),
         "queue_wait_p50_s": float(np.percentile(waits, 50)) if waits else None,
         "queue_wait_p95_s": float(np.percentile(waits, 95)) if waits else None,

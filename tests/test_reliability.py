@@ -27,10 +27,11 @@ def test_soak_short(tiny_model, tmp_path):
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     result = json.loads(run.stdout)
     assert run.returncode == 0, (result, run.stderr[-2000:])
-    assert result["one_record_per_request"] and result["records"] == result["requests_sent"] == 63
+    assert result["one_record_per_request"] and result["records"] == result["requests_sent"] == 66
+    assert result["app_sessions"] == 1 and result["outcomes"]["app:answered"] == 3  # a browser on the chat page
     assert result["server_errors"] == 0 and result["health_at_end"] == "ready"
     kinds = {key.split(":")[0] for key in result["outcomes"]}
-    assert kinds == {"good", "bad_image", "too_long", "cancel", "disconnect"}
+    assert kinds == {"good", "bad_image", "too_long", "cancel", "disconnect", "app"}
     assert all(key.endswith(":400") for key in result["outcomes"] if key.startswith(("bad_image", "too_long")))
     assert result["records_by_status"].get("refused", 0) >= 16
     # every client that left (mid-stream or by timing out) had its generation stopped
