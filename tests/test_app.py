@@ -180,3 +180,19 @@ def test_benchmark_page_runs_a_small_sweep(app_env):
     assert at.get("plotly_chart")
     sweep_records = [r for r in MetricsStore(app_env).recent(50) if r.source == "bench"]
     assert len(sweep_records) == 5  # two single questions and a three-turn conversation
+
+
+def test_metrics_write_failure_is_shown_not_swallowed(app_env):
+    import sqlite3
+
+    at = start()
+    blocker = sqlite3.connect(app_env, timeout=0)
+    blocker.execute("BEGIN EXCLUSIVE")
+    try:
+        ask(at, "Hello")
+        assert assistant_messages(at)[0].caption[0].value.startswith("TTFT")  # the answer still arrived
+        fresh = start()  # the next page load shows it in the sidebar
+        assert any("Metrics are not being saved" in e.value for e in fresh.sidebar.error)
+    finally:
+        blocker.rollback()
+        blocker.close()

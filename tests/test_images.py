@@ -184,3 +184,33 @@ def test_check_images_cli(images_dir, tmp_path):
     ok = subprocess.run([sys.executable, "-m", "engine", "check-images", str(images_dir / "rocket.jpg")],
                         cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0 and json.loads(ok.stdout)["ok"] is True
+
+
+def test_every_format_pillow_can_write_is_accepted_or_refused_cleanly():
+    from PIL import Image as PILImage
+
+    PILImage.init()
+    tried = 0
+    for fmt in sorted(PILImage.SAVE):
+        try:
+            data = encode(photo((64, 48)), fmt)
+        except Exception:  # a format Pillow cannot write an RGB picture in (or needs options) is not input here
+            continue
+        tried += 1
+        try:
+            loaded = load_image(data, **LIMITS)
+        except InvalidImage as exc:
+            assert exc.message
+        else:
+            assert loaded.image.mode == "RGB" and loaded.image.size[0] > 0
+    assert tried >= 10
+
+
+def test_file_type_comes_from_content_not_name(tmp_path):
+    misnamed = tmp_path / "holiday.jpg"
+    misnamed.write_bytes(encode(photo(), "PNG"))
+    assert load_image(misnamed, **LIMITS).format == "PNG"
+    fake = tmp_path / "scan.png"
+    fake.write_text("%PDF-1.4 not really an image")
+    with pytest.raises(InvalidImage, match="not an image"):
+        load_image(fake, **LIMITS)
