@@ -14,15 +14,16 @@ GIB = 1 << 30
 
 st.title("Profiling")
 STATUSES = ["ok", "cancelled", "error", "refused", "running", "interrupted"]
-controls = st.columns([2, 3, 2, 2, 1, 1])
+controls = st.columns([2, 3, 2, 2])
 window = controls[0].selectbox("Time window", list(WINDOWS), index=1, key="prof_window")
 statuses = controls[1].multiselect("Status", STATUSES, default=STATUSES, key="prof_status")
 sources = controls[2].multiselect("Source", ["app", "api", "cli", "bench", "python", "warmup"], key="prof_source",
                                   placeholder="all sources")
 dtypes = controls[3].multiselect("Precision", ["float32", "bfloat16", "int8", "remote"], key="prof_dtype",
                                  placeholder="all precisions")
-show_warmups = controls[4].toggle("Warm-ups", value=False, key="prof_warmups")
-live = controls[5].toggle("Live", value=True, key="prof_live", help="Refresh every 2 seconds; off to pause.")
+switches = st.columns([1, 1, 4])
+show_warmups = switches[0].toggle("Show warm-ups", value=False, key="prof_warmups")
+live = switches[1].toggle("Live", value=True, key="prof_live", help="Refresh every 2 seconds; off to pause.")
 
 
 @st.fragment(run_every=2 if live else None)
