@@ -116,6 +116,7 @@ async def _events(handle, request: Request, watch: ClientWatch | None = None):
             if watch.active and (event is None or time.monotonic() - checked >= POLL_S):
                 checked = time.monotonic()
                 if await request.is_disconnected():
+                    log.info("client of request %s went away: cancelling it", handle.id)
                     handle.cancel()
                     return
             if event is None:

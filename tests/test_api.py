@@ -136,11 +136,13 @@ def test_api_keys_body_limit_and_busy_queue(tiny_model, images_dir, tmp_path):
                                                  json={"messages": [{"role": "user", "content": "long"}],
                                                        "max_tokens": 5000, "ignore_eos": True, "stream": True})
         with holder as response:
-            next(response.iter_lines())
+            lines = response.iter_lines()  # kept: dropping the iterator closes the connection, a real disconnect
+            next(lines)
             busy = httpx.post(f"{url}/v1/chat/completions", headers={"Authorization": "Bearer k1"},
                               json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
             records = [(r.status, r.max_new_tokens, r.error) for r in MetricsStore(tmp_path / "api.db").recent(5)]
-            assert busy.status_code == 429 and int(busy.headers["retry-after"]) > 0, (busy.text, records)
+            assert busy.status_code == 429 and int(busy.headers["retry-after"]) > 0, (
+                records, (tmp_path / "server.log").read_text()[-3000:])
             assert busy.json()["error"]["code"] == "busy"
     finally:
         process.terminate()
