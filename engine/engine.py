@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import time
 import uuid
@@ -22,9 +21,9 @@ from PIL import Image
 from .config import EngineConfig
 from .errors import Busy, GenerationFailed, InsufficientMemory, InvalidImage, PromptTooLong, VlscopeError
 from .generate import decode_n_tokens, encode_images, prefill, sample
-from .images import enhance_for_ocr, fit_to_budget, load_image, vision_token_count
+from .images import enhance_for_ocr, fit_to_budget, load_request_images, vision_token_count
 from .memory import available_bytes, estimate_request_bytes
-from .metrics import RequestMetrics, RssSampler, current_rss
+from .metrics import RequestMetrics, RssSampler, request_record
 from .model_loading import LoadedModel, ProgressCallback, load_model
 from .prefix_cache import CachedSequence, PrefixCache, image_spans
 from .preprocess import chat_messages, image_grids, patchify_images, tokenize_prompt
@@ -164,8 +163,7 @@ class Engine(StreamingMixin):
         job = Job(uuid.uuid4().hex, request)
         try:
             with job.clock.stage("load_images"):
-                job.images = [self._load(source) for turn in request.history for source in turn.images]
-                job.images += [self._load(source) for source in request.images]
+                job.images = load_request_images(request, self.config)
             job.on_cancel = self._on_cancel
             self._queue.submit(job)
         except (InvalidImage, Busy) as exc:
@@ -190,9 +188,6 @@ class Engine(StreamingMixin):
         self._queue.close()
 
     # ---- internals ----------------------------------------------------------------------------------------------
-
-    def _load(self, source):
-        return load_image(source, max_pixels=self.config.max_image_pixels, max_bytes=self.config.max_image_bytes)
 
     def _on_cancel(self, job: Job) -> None:
         if self._queue.withdraw(job):  # cancelled while waiting: the worker will never see it
@@ -355,41 +350,20 @@ class Engine(StreamingMixin):
     def _finish(self, job: Job, status: str, error: BaseException | None = None, **facts) -> RequestMetrics:
         """Build the request's metrics record, persist it, and return it."""
         config, request = self.config, job.request
-        stages = dict(job.clock.seconds)
-        e2e = time.perf_counter() - job.submitted_perf
         answer = facts.pop("answer", None)
-        if "rss_before_bytes" not in facts:
-            rss = current_rss()
-            facts.update(rss_before_bytes=rss, rss_peak_bytes=rss, rss_after_bytes=rss)
         facts.setdefault("resized_sizes", tuple(fit_to_budget(*i.image.size, config.min_pixels, config.max_pixels)
                                                 for i in job.images))
         loaded = getattr(self, "loaded", None)
-        metrics = RequestMetrics(
-            id=job.id,
-            status=status,
-            source=request.source,
-            warmup=request.warmup,
-            submitted_at=job.submitted_at,
-            finished_at=time.time(),
+        metrics = request_record(
+            job, config, status, error,
             model=loaded.name if loaded else config.model,
             synthetic=loaded.synthetic if loaded else False,
             dtype=config.dtype,
             threads=config.threads,
             kv_cache=config.kv_cache,
-            min_pixels=config.min_pixels,
-            max_pixels=config.max_pixels,
-            max_new_tokens=request.max_new_tokens or config.max_new_tokens,
-            temperature=config.temperature if request.temperature is None else request.temperature,
-            top_p=config.top_p if request.top_p is None else request.top_p,
-            image_sizes=tuple(image.original_size for image in job.images),
-            stages=stages,
-            e2e_s=e2e,
             weight_bytes=loaded.weight_bytes if loaded else 0,
-            error_type=getattr(error, "kind", None) if error is not None else None,
-            error=str(error) if error is not None else None,
             prompt=request.prompt if config.store_content else None,
             answer=answer if config.store_content else None,
-            pid=os.getpid(),
             **facts,
         )
         if config.store_content and status != "running":

@@ -107,6 +107,13 @@ def load_image(source, *, max_pixels: int, max_bytes: int, name: str | None = No
     return LoadedImage(image=rgb, original_size=(width, height), format=image_format, sha256=digest)
 
 
+def load_request_images(request, config) -> list[LoadedImage]:
+    """Every image of a conversation, earlier turns first, checked against the configured limits."""
+    sources = [source for turn in request.history for source in turn.images] + list(request.images)
+    return [load_image(source, max_pixels=config.max_image_pixels, max_bytes=config.max_image_bytes)
+            for source in sources]
+
+
 def to_rgb(image: Image.Image) -> Image.Image:
     """Any PIL mode to 8-bit RGB: alpha composited on white, 16/32-bit and float scaled, CMYK and palettes converted."""
     mode = image.mode

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -72,6 +73,35 @@ class RequestMetrics:
             values[key] = tuple(tuple(size) for size in values.get(key, ()))
         values["token_latencies_s"] = tuple(values.get("token_latencies_s", ()))
         return cls(**values)
+
+
+def request_record(job, config, status: str, error: BaseException | None = None, **fields) -> RequestMetrics:
+    """The parts of a request's record every engine fills the same way (identity, sampling settings, images,
+    stages, end-to-end time, error, memory defaults); the engine passes what it alone knows in `fields`."""
+    request = job.request
+    if "rss_before_bytes" not in fields:
+        rss = current_rss()
+        fields.update(rss_before_bytes=rss, rss_peak_bytes=rss, rss_after_bytes=rss)
+    return RequestMetrics(
+        id=job.id,
+        status=status,
+        source=request.source,
+        warmup=request.warmup,
+        submitted_at=job.submitted_at,
+        finished_at=time.time(),
+        min_pixels=config.min_pixels,
+        max_pixels=config.max_pixels,
+        max_new_tokens=request.max_new_tokens or config.max_new_tokens,
+        temperature=config.temperature if request.temperature is None else request.temperature,
+        top_p=config.top_p if request.top_p is None else request.top_p,
+        image_sizes=tuple(image.original_size for image in job.images),
+        stages=dict(job.clock.seconds),
+        e2e_s=time.perf_counter() - job.submitted_perf,
+        error_type=getattr(error, "kind", None) if error is not None else None,
+        error=str(error) if error is not None else None,
+        pid=os.getpid(),
+        **fields,
+    )
 
 
 def current_rss() -> int:

@@ -16,8 +16,8 @@ import httpx
 from .config import EngineConfig
 from .engine import EngineInfo, RequestHandle, StreamingMixin
 from .errors import Busy, GenerationFailed, InvalidImage, ModelUnavailable, PromptTooLong, VlscopeError
-from .images import load_image
-from .metrics import RequestMetrics, current_rss
+from .images import load_request_images
+from .metrics import RequestMetrics, current_rss, request_record
 from .request import ChatRequest, StageStarted, TextChunk
 from .scheduler import Job
 from .store import MetricsStore
@@ -58,11 +58,7 @@ class RemoteEngine(StreamingMixin):
         job = Job(uuid.uuid4().hex, request)
         try:
             with job.clock.stage("load_images"):
-                job.images = [load_image(s, max_pixels=self.config.max_image_pixels,
-                                         max_bytes=self.config.max_image_bytes)
-                              for turn in request.history for s in turn.images]
-                job.images += [load_image(s, max_pixels=self.config.max_image_pixels,
-                                          max_bytes=self.config.max_image_bytes) for s in request.images]
+                job.images = load_request_images(request, self.config)
         except InvalidImage as exc:
             exc.metrics = self._finish(job, "refused", {}, error=exc)
             raise
@@ -169,23 +165,11 @@ class RemoteEngine(StreamingMixin):
         return "ok"
 
     def _finish(self, job: Job, status: str, facts: dict, error: BaseException | None = None) -> RequestMetrics:
-        config, request = self.config, job.request
-        rss = current_rss()
-        facts.setdefault("rss_before_bytes", rss)
-        facts.setdefault("rss_peak_bytes", rss)
-        facts.setdefault("rss_after_bytes", rss)
-        metrics = RequestMetrics(
-            id=job.id, status=status, source=request.source, warmup=request.warmup, submitted_at=job.submitted_at,
-            finished_at=time.time(), model=self.info.model if hasattr(self, "info") else config.remote_url,
-            synthetic=bool((facts.get("server_metrics") or {}).get("synthetic", False)), dtype="remote", threads=0,
-            kv_cache=True, min_pixels=config.min_pixels, max_pixels=config.max_pixels,
-            max_new_tokens=request.max_new_tokens or config.max_new_tokens,
-            temperature=config.temperature if request.temperature is None else request.temperature,
-            top_p=config.top_p if request.top_p is None else request.top_p,
-            image_sizes=tuple(image.original_size for image in job.images), stages=dict(job.clock.seconds),
-            e2e_s=time.perf_counter() - job.submitted_perf,
-            error_type=getattr(error, "kind", None) if error else None, error=str(error) if error else None,
-            **facts,
+        metrics = request_record(
+            job, self.config, status, error,
+            model=self.info.model if hasattr(self, "info") else self.config.remote_url,
+            synthetic=bool((facts.get("server_metrics") or {}).get("synthetic", False)),
+            dtype="remote", threads=0, kv_cache=True, **facts,
         )
         self.store.add(metrics)
         return metrics
