@@ -6,7 +6,7 @@ import json
 import sys
 import time
 
-from .config import DTYPES, SKELETON_DIR, EngineConfig
+from .config import COMPUTE_DTYPES, DTYPES, SKELETON_DIR, EngineConfig
 
 
 def _progress(fraction: float, message: str) -> None:
@@ -41,7 +41,7 @@ def cmd_ask(args) -> int:
 
     try:
         config = EngineConfig.from_env(
-            model=args.model, dtype=args.dtype, threads=args.threads, max_new_tokens=args.max_new_tokens,
+            model=args.model, dtype=args.dtype, compute_dtype=args.compute_dtype, threads=args.threads, max_new_tokens=args.max_new_tokens,
             db_path=args.db, warmup=False if args.no_warmup else None,
         )
     except ValueError as exc:
@@ -146,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     ask.add_argument("--image", action="append", help="image file (repeatable)")
     ask.add_argument("--prompt", required=True)
     ask.add_argument("--dtype", choices=DTYPES)
+    ask.add_argument("--compute-dtype", choices=COMPUTE_DTYPES,
+                     help="what bfloat16/int8 weights compute in (default auto: measured on this CPU)")
     ask.add_argument("--threads", type=int)
     ask.add_argument("--max-new-tokens", type=int)
     ask.add_argument("--db", help="metrics database (default data/vlscope.db)")

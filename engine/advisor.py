@@ -4,6 +4,7 @@ float32 stays the default setting; this only recommends, and shows its evidence.
 """
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 
@@ -65,3 +66,20 @@ def advise(report: SystemReport | None = None) -> PrecisionAdvice:
         reasons.append("bfloat16 rounds weights to 8 bits of mantissa: check the benchmark's drift figures "
                        "(and OCR accuracy with real weights) before switching.")
     return PrecisionAdvice(recommended, tuple(reasons), {"float32": fp32, "bfloat16": bf16, "native_bf16": native})
+
+
+@functools.cache
+def bfloat16_matmul_is_faster(threads: int) -> bool:
+    """A prefill-sized product in each dtype, timed now (well under a second even where bfloat16 is emulated).
+    Cached per thread count: the answer is a property of the CPU, asked at every model load."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        rows, weight = torch.randn(128, HIDDEN), torch.randn(HIDDEN, HIDDEN)
+        with torch.inference_mode():
+            fp32 = _best_seconds(lambda: rows @ weight, 3)
+            rows, weight = rows.bfloat16(), weight.bfloat16()
+            bf16 = _best_seconds(lambda: rows @ weight, 3)
+    finally:
+        torch.set_num_threads(previous)
+    return bf16 < fp32

@@ -51,6 +51,7 @@ class EngineInfo:
     weight_bytes: int
     load_seconds: float
     context_length: int
+    compute_dtype: str = "float32"  # what activations and the KV cache are in (bfloat16 and int8 weights vary)
 
 
 class Detokenizer:
@@ -143,6 +144,7 @@ class Engine(StreamingMixin):
             weight_bytes=self.loaded.weight_bytes,
             load_seconds=self.loaded.load_seconds,
             context_length=int(text_config.max_position_embeddings),
+            compute_dtype=self.loaded.compute_dtype,
         )
         self._generator = torch.Generator().manual_seed(self.config.seed)
         self._prefix_cache = PrefixCache(self.config.prefix_cache_entries if self.config.kv_cache else 0)
@@ -337,7 +339,7 @@ class Engine(StreamingMixin):
 
     def _check_memory(self, sizes, prompt_tokens: int, max_new_tokens: int) -> None:
         patches = sum(width * height // 256 for width, height in sizes)
-        value_bytes = 4 if self.config.dtype == "float32" else 2
+        value_bytes = 4 if self.loaded.compute_dtype == "float32" else 2
         need = estimate_request_bytes(self.loaded.model.config, patches, prompt_tokens, max_new_tokens, value_bytes)
         room = self.config.memory_limit_bytes or available_bytes()
         if need > room:
@@ -359,6 +361,7 @@ class Engine(StreamingMixin):
             model=loaded.name if loaded else config.model,
             synthetic=loaded.synthetic if loaded else False,
             dtype=config.dtype,
+            compute_dtype=loaded.compute_dtype if loaded else None,
             threads=config.threads,
             kv_cache=config.kv_cache,
             weight_bytes=loaded.weight_bytes if loaded else 0,

@@ -55,6 +55,7 @@ class RequestMetrics:
     rss_peak_bytes: int = 0
     rss_after_bytes: int = 0
     weight_bytes: int = 0
+    compute_dtype: str | None = None  # float32 or bfloat16; None when unknown (older records, remote servers)
     error_type: str | None = None
     error: str | None = None
     server_metrics: dict | None = None  # a remote server's own timings, when it reports them

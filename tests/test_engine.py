@@ -13,7 +13,7 @@ from engine.generate import decode_n_tokens, encode_images, prefill, sample
 from engine.images import fit_to_budget, load_image
 from engine.model_loading import load_model
 from engine.preprocess import chat_messages, patchify_images, tokenize_prompt
-from engine.quantize import Int8Linear
+from engine.quantize import Bf16Embedding, Bf16Linear, Int8Linear
 
 GREEDY = (0.0, 1.0, None)
 
@@ -86,11 +86,14 @@ def test_text_only_and_multi_turn_with_several_images(engine, images_dir):
 
 def test_bf16_int8_and_no_kv_cache_run(make_engine, images_dir):
     request = ChatRequest(prompt="Describe", images=(images_dir / "chelsea.png",), max_new_tokens=6)
-    for settings in (dict(dtype="bfloat16"), dict(dtype="int8"), dict(kv_cache=False)):
+    for settings in (dict(dtype="bfloat16", compute_dtype="bfloat16"), dict(dtype="bfloat16", compute_dtype="float32"),
+                     dict(dtype="int8", compute_dtype="bfloat16"), dict(dtype="int8", compute_dtype="float32"),
+                     dict(kv_cache=False)):
         engine = make_engine(**settings)
         metrics = engine.ask(request).metrics
         assert metrics.status == "ok" and metrics.output_tokens == 6, settings
         assert metrics.dtype == engine.config.dtype and metrics.kv_cache == engine.config.kv_cache
+        assert metrics.compute_dtype == settings.get("compute_dtype", "float32") == engine.info.compute_dtype
     int8, plain = make_engine(dtype="int8").loaded, make_engine().loaded
     layer = int8.model.model.language_model.layers[0].mlp.up_proj
     assert isinstance(layer, Int8Linear) and layer.weight.dtype == torch.int8  # really quantized
@@ -251,6 +254,61 @@ def test_int8_linear_matches_dequantised_weights():
         got = quantized(x.bfloat16()).float()
         assert got.shape == (1, rows, 96)
         assert torch.allclose(got, expected, atol=0.1, rtol=0.05)
+
+
+def test_int8_linear_computes_in_its_input_dtype():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 96)
+    quantized = Int8Linear(linear.weight, linear.bias)
+    dequantised = quantized.weight.float() * quantized.scales.float()[:, None]
+    for rows in (1, 40):
+        x = torch.randn(rows, 64)
+        got = quantized(x)
+        assert got.dtype == torch.float32
+        # the decode kernel rounds its activations to bfloat16; the prefill path is exact float32
+        tolerance = 0.05 if rows == 1 else 1e-4
+        assert torch.allclose(got, torch.nn.functional.linear(x, dequantised, linear.bias.detach()), atol=tolerance)
+
+
+def test_bf16_linear_keeps_bfloat16_weights_and_float32_outputs():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 96)
+    compact = Bf16Linear(linear.weight, linear.bias)
+    assert compact.weight.dtype == torch.bfloat16 and compact.weight.numel() == 64 * 96
+    rounded = linear.weight.detach().bfloat16().float()
+    for rows in (1, 40):  # the decode path (bfloat16 product) and the prefill path (widened weights)
+        x = torch.randn(1, rows, 64)
+        got = compact(x)
+        assert got.dtype == torch.float32 and got.shape == (1, rows, 96)
+        tolerance = 0.05 if rows == 1 else 1e-4
+        assert torch.allclose(got, torch.nn.functional.linear(x, rounded, linear.bias.detach()), atol=tolerance)
+    embedding = Bf16Embedding(linear.weight)
+    assert embedding.weight.data_ptr() != 0 and embedding(torch.tensor([[3, 5]])).dtype == torch.float32
+
+
+def test_compact_weights_with_float32_compute_track_the_float32_model(make_engine, images_dir):
+    """bfloat16 weights computing in float32: same tokens as float32 on the tiny model, half the weight bytes,
+    the LM head still sharing the embedding's tensor, and float32 activations."""
+    request = ChatRequest(prompt="Describe", images=(images_dir / "chelsea.png",), max_new_tokens=6)
+    reference = make_engine()
+    compact = make_engine(dtype="bfloat16", compute_dtype="float32")
+    model = compact.loaded.model
+    assert isinstance(model.lm_head, Bf16Linear) and isinstance(model.get_input_embeddings(), Bf16Embedding)
+    assert model.lm_head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+    assert isinstance(model.model.visual.blocks[0].mlp.linear_fc1, Bf16Linear)
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # norms, convolution, position tables
+    assert compact.loaded.weight_bytes < 0.6 * reference.loaded.weight_bytes
+    assert compact.ask(request).text == reference.ask(request).text
+
+
+@pytest.mark.parametrize("bf16_faster", [True, False])
+def test_auto_compute_dtype_follows_the_measured_probe(make_engine, monkeypatch, bf16_faster):
+    monkeypatch.setattr("engine.model_loading.bfloat16_matmul_is_faster", lambda threads: bf16_faster)
+    expected = "bfloat16" if bf16_faster else "float32"
+    engine = make_engine(dtype="bfloat16")
+    assert engine.info.compute_dtype == expected
+    assert isinstance(engine.loaded.model.lm_head, Bf16Linear) is (not bf16_faster)
+    assert make_engine().info.compute_dtype == "float32"  # float32 weights never compute in bfloat16
 
 
 def test_follow_up_reuses_the_conversation_and_matches_a_fresh_run(make_engine, images_dir):

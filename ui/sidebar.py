@@ -24,7 +24,8 @@ def render_status(loaded: LoadedEngine | None) -> None:
                        icon=":material/science:")
         st.markdown(f"**Model** `{info.model}`")
         left, right = st.columns(2)
-        left.metric("dtype", info.dtype)
+        left.metric("dtype", info.dtype, help=f"Weights in {info.dtype}; activations, attention and the KV cache "
+                    f"in {info.compute_dtype}, chosen by measuring this CPU unless set in Settings")
         right.metric("threads", info.threads)
         left.metric("weights", f"{info.weight_bytes / GIB:.2f}G", help="Model weights in memory, GiB")
         right.metric("RSS", f"{current_rss() / GIB:.2f}G", help="This server process's resident memory, GiB")
