@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
+from pathlib import Path
 
-from .config import COMPUTE_DTYPES, DTYPES, SKELETON_DIR, EngineConfig
+from .config import COMPUTE_DTYPES, DTYPES, PROJECT_DIR, SKELETON_DIR, EngineConfig
 
 
 def _progress(fraction: float, message: str) -> None:
@@ -91,16 +93,18 @@ def cmd_make_tiny(args) -> int:
     return 0
 
 
+def default_images_dir() -> Path:
+    """The shared folder of real photos and scans beside the project, else the bundled samples."""
+    shared = Path(os.environ.get("VLSCOPE_SHARED", PROJECT_DIR.parent / "shared")) / "images"
+    return shared if shared.is_dir() else PROJECT_DIR / "samples"
+
+
 def cmd_bench(args) -> int:
     import datetime as dt
-    import os
-    from pathlib import Path
 
     from .bench import default_model, run_bench
-    from .config import PROJECT_DIR
 
-    shared = Path(os.environ.get("VLSCOPE_SHARED", PROJECT_DIR.parent / "shared")) / "images"
-    images = Path(args.images) if args.images else (shared if shared.is_dir() else PROJECT_DIR / "samples")
+    images = Path(args.images) if args.images else default_images_dir()
     out = Path(args.out) if args.out else Path("bench-results") / dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     repeats = args.repeats or (2 if args.quick else 5)
     started = time.perf_counter()
@@ -117,7 +121,6 @@ def cmd_bench(args) -> int:
 
 def cmd_soak(args) -> int:
     import tempfile
-    from pathlib import Path
 
     from .soak import soak
 
@@ -135,6 +138,31 @@ def cmd_soak(args) -> int:
 def _fail(exc: BaseException) -> int:
     print(f"error: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", file=sys.stderr)
     return 2
+
+
+def cmd_tune(args) -> int:
+    from .bench import default_model
+    from .tuning import markdown, tune
+
+    try:
+        config = EngineConfig(model=args.model or default_model(), dtype=args.dtype, threads=args.threads or
+                              EngineConfig().threads, warmup=False)
+    except ValueError as exc:
+        return _fail(exc)
+    lines: list[str] = []
+
+    def report(line: str) -> None:
+        lines.append(line)
+        print(line, flush=True)
+
+    image = Path(args.image) if args.image else default_images_dir() / "coffee.png"
+    trials = tune(config, image, new_tokens=args.new_tokens, repeats=args.repeats,
+                  compile_=not args.no_compile, report=report)
+    table = markdown(trials, "# Implementation choices measured by `python -m engine tune`\n\n" + lines[0])
+    print(table)
+    if args.out:
+        Path(args.out).write_text(table + "\n" + "\n".join(f"    {line}" for line in lines) + "\n")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,6 +202,17 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--db", help="metrics database for the engine's records")
     bench.add_argument("--no-drift", action="store_true", help="skip the precision drift measurement")
     bench.set_defaults(run=cmd_bench)
+
+    tune = commands.add_parser("tune", help="measure attention implementation, cache kind and torch.compile")
+    tune.add_argument("--model", help="default: as for bench")
+    tune.add_argument("--dtype", choices=DTYPES, default="float32")
+    tune.add_argument("--threads", type=int)
+    tune.add_argument("--image", help="default: coffee.png from the images folder bench uses")
+    tune.add_argument("--new-tokens", type=int, default=32)
+    tune.add_argument("--repeats", type=int, default=2)
+    tune.add_argument("--no-compile", action="store_true")
+    tune.add_argument("--out", help="also write the table here (markdown)")
+    tune.set_defaults(run=cmd_tune)
 
     soak = commands.add_parser("soak", help="bounded load and fault run against a local server")
     soak.add_argument("--model", help="model for the server (default VLSCOPE_MODEL)")

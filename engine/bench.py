@@ -72,8 +72,10 @@ def measure_ceilings(threads: int) -> dict:
     bandwidth = _read_bandwidth()
     rates = {}
     for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
-        a, b = torch.randn(256, 2048).to(dtype), torch.randn(2048, 6144).to(dtype)
-        seconds = min(_timed(lambda: a @ b) for _ in range(5))
+        # The weight laid out as nn.Linear keeps it, (out, in): the other layout can take a path 60x slower
+        # in bfloat16 on CPUs without native support, which would say nothing about the model.
+        rows, weight = torch.randn(256, 2048).to(dtype), torch.randn(6144, 2048).to(dtype)
+        seconds = min(_timed(lambda: torch.nn.functional.linear(rows, weight)) for _ in range(5))
         rates[name] = 2 * 256 * 2048 * 6144 / seconds / 1e9
     return {"memory_read_gb_per_s": bandwidth, "matmul_gflops": rates}
 
@@ -172,7 +174,8 @@ def run_baseline_case(model_source: str, case: Case, image: Image.Image, threads
     ttft = new_token_times[0] - request_started if new_token_times else None
     decode_s = new_token_times[-1] - new_token_times[0] if len(new_token_times) > 1 else None
     record = {
-        "status": "ok", "synthetic": loaded.synthetic, "dtype": case.dtype, "threads": threads,
+        "status": "ok", "synthetic": loaded.synthetic, "dtype": case.dtype, "compute_dtype": loaded.compute_dtype,
+        "threads": threads,
         "vision_tokens": int(prompt.mm_token_type_ids.sum()), "prompt_tokens": prompt.input_ids.shape[1],
         "output_tokens": generated, "ttft_s": ttft, "e2e_s": finished - request_started,
         "decode_tokens_per_s": (len(new_token_times) - 1) / decode_s if decode_s else None,
@@ -227,22 +230,32 @@ def measure_drift(model_source: str, image: Image.Image, dtypes: list[str], new_
 
 # ---- the sweep -------------------------------------------------------------------------------------------------
 
-def plan(quick: bool, cores: int) -> list[Case]:
+def plan(quick: bool, cores: int, recommended: str = "float32") -> list[Case]:
+    """The cases, in report order. Quick: precisions, the float32 baseline, and the multi-turn case for float32
+    and for the precision the advisor recommends on this CPU, so it stays under 10 minutes on slow CPUs too."""
     tokens = 32 if quick else 128
     cases = [Case(f"tuned {d}", "precision", dtype=d, max_new_tokens=tokens) for d in ("float32", "bfloat16", "int8")]
     cases += [Case(f"baseline {d}", "baseline", dtype=d, max_new_tokens=tokens, baseline=True)
               for d in (("float32",) if quick else ("float32", "bfloat16"))]
-    cases.append(Case("multi-turn float32", "multi_turn", max_new_tokens=16 if quick else 64, turns=3))
+    multi_turn = ("float32",) + ((recommended,) if recommended != "float32" else ()) if quick else ("float32", "bfloat16")
+    cases += [Case(f"multi-turn {d}", "multi_turn", dtype=d, max_new_tokens=16 if quick else 64, turns=3)
+              for d in multi_turn]
     if quick:
-        cases.append(Case("multi-turn bfloat16", "multi_turn", dtype="bfloat16", max_new_tokens=16, turns=3))
         return cases
     cases += [Case(f"threads {n}", "threads", threads=n, max_new_tokens=tokens) for n in range(1, cores + 1)
               if n != cores]
     cases += [Case(f"image {name} {d}", "image_size", dtype=d, image=name, max_new_tokens=32)
               for d in ("float32", "bfloat16") for name in IMAGE_SIZES if name != "448x448"]
     cases += [Case(f"no KV cache {d}", "kv_cache", dtype=d, kv_cache=False, max_new_tokens=8) for d in ("float32", "bfloat16")]
-    cases.append(Case("multi-turn bfloat16", "multi_turn", dtype="bfloat16", max_new_tokens=64, turns=3))
     return cases
+
+
+def execution_order(cases: list[Case]) -> list[Case]:
+    """Cases that share engine settings run back to back, so each model is loaded (and warmed up) once."""
+    first_seen: dict[tuple, int] = {}
+    for index, case in enumerate(cases):
+        first_seen.setdefault((case.baseline, case.engine_key()), index)
+    return sorted(cases, key=lambda c: first_seen[(c.baseline, c.engine_key())])
 
 
 def summarize(result: CaseResult, ceilings: dict, lm_bytes: int | None, lm_params: int | None) -> dict:
@@ -266,6 +279,8 @@ def summarize(result: CaseResult, ceilings: dict, lm_bytes: int | None, lm_param
         "stages": {name: stat([r["stages"].get(name) for r in first_turns])
                    for name in sorted({k for r in first_turns for k in r["stages"]})},
         "load_s": result.load_s,
+        "compute_dtype": first_turns[0].get("compute_dtype") or ("float32" if result.case.dtype == "float32"
+                                                                 else "bfloat16"),
     }
     if result.case.turns > 1:
         summary["follow_up_ttft_s"] = stat([r["ttft_s"] for r in runs if r.get("turn", 1) > 1])
@@ -277,7 +292,7 @@ def summarize(result: CaseResult, ceilings: dict, lm_bytes: int | None, lm_param
     prefill = summary["stages"].get("prefill")
     if lm_params and prefill and result.case.kv_cache:
         flops = 2 * lm_params * (summary["prompt_tokens"] - first_turns[0].get("cached_prompt_tokens", 0))
-        compute_dtype = "float32" if result.case.dtype == "float32" else "bfloat16"
+        compute_dtype = summary["compute_dtype"]
         achieved = flops / prefill["median"] / 1e9
         summary["prefill_gflops"] = achieved
         summary["prefill_fraction_of_compute_ceiling"] = achieved / ceilings["matmul_gflops"][compute_dtype]
@@ -355,7 +370,10 @@ def run_bench(model: str, quick: bool, repeats: int, images_dir: Path, out_dir: 
               report: Report, drift: bool = True) -> dict:
     machine = system_report()
     threads = machine.physical_cores
-    cases = plan(quick, threads)
+    report(0.0, "measuring the machine's ceilings and which precision suits it")
+    ceilings = measure_ceilings(threads)
+    advice = advise(machine)
+    cases = plan(quick, threads, advice.recommended)
     total_steps = len(cases) + 2 + int(drift)
     step = 0
 
@@ -364,20 +382,18 @@ def run_bench(model: str, quick: bool, repeats: int, images_dir: Path, out_dir: 
         step += 1
         report(step / total_steps, message)
 
-    report(0.0, "measuring the machine's ceilings")
-    ceilings = measure_ceilings(threads)
-    advice = advise(machine)
     advance("ceilings measured")
-    results: list[CaseResult] = []
+    by_case: dict[Case, CaseResult] = {}
     lm_facts: dict[str, tuple[int, int]] = {}
     engines: dict[tuple, Engine] = {}
-    for case in cases:
+    for case in execution_order(cases):
         result = _run_case(case, model, images_dir, case.threads or threads, repeats, db_path, engines, lm_facts)
         bytes_, params = lm_facts.get(case.dtype, (None, None))
         result.summary = summarize(result, ceilings, bytes_, params)
-        results.append(result)
+        by_case[case] = result
         advance(f"{case.name}: done")
     _release(engines)
+    results = [by_case[case] for case in cases]
     drift_results = {}
     if drift:
         drift_results = measure_drift(model, bench_image("448x448", images_dir), ["bfloat16", "int8"],
@@ -411,6 +427,11 @@ def _fmt(value, digits=2) -> str:
     return "–" if value is None else f"{value:.{digits}f}"
 
 
+def _precision(dtype: str, compute_dtype: str | None) -> str:
+    """'bfloat16' when weights and compute agree, else 'int8 / float32' (weights / compute)."""
+    return dtype if compute_dtype in (None, dtype) else f"{dtype} / {compute_dtype}"
+
+
 def _median(summary: dict, key: str):
     value = summary.get(key)
     return value["median"] if isinstance(value, dict) else value
@@ -428,7 +449,7 @@ def markdown_report(document: dict) -> str:
         f"float32 {ceilings['matmul_gflops']['float32']:.0f} GFLOP/s, bfloat16 {ceilings['matmul_gflops']['bfloat16']:.0f} GFLOP/s. "
         f"Prompt: \"{document['prompt']}\", greedy; median of {document['repeats']} runs after a warm-up (p95 in the JSON).",
         "",
-        "| case | dtype | threads | image | vision tok | load s | TTFT s | follow-up TTFT s | decode tok/s | % of bandwidth ceiling | prefill % of compute | end-to-end s | peak RSS GB |",
+        "| case | weights / compute | threads | image | vision tok | load s | TTFT s | follow-up TTFT s | decode tok/s | % of bandwidth ceiling | prefill % of compute | end-to-end s | peak RSS GB |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for entry in document["cases"]:
@@ -436,7 +457,7 @@ def markdown_report(document: dict) -> str:
         fraction = s.get("decode_fraction_of_bandwidth_ceiling")
         compute = s.get("prefill_fraction_of_compute_ceiling")
         lines.append(
-            f"| {case['name']} | {case['dtype']} | {case['threads'] or machine['physical_cores']} | {case['image']} | "
+            f"| {case['name']} | {_precision(case['dtype'], s.get('compute_dtype'))} | {case['threads'] or machine['physical_cores']} | {case['image']} | "
             f"{s['vision_tokens']} | {_fmt(s.get('load_s'), 1)} | {_fmt(_median(s, 'ttft_s'))} | "
             f"{_fmt(_median(s, 'follow_up_ttft_s'))} | {_fmt(_median(s, 'decode_tokens_per_s'))} | "
             f"{_fmt(fraction * 100 if fraction else None, 0)} | {_fmt(compute * 100 if compute else None, 0)} | "

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 from engine.advisor import advise
+from engine.bench import execution_order, plan
 
 from .conftest import ROOT
 
@@ -29,6 +30,8 @@ def test_quick_bench_writes_json_markdown_and_html(tiny_model, images_dir, tmp_p
         assert summary["decode_tokens_per_s"]["median"] > 0 and summary["rss_peak_bytes"] > 0
     # each measured request starts cold: nothing reused from the warm-up or an earlier repetition
     assert all(r["cached_prompt_tokens"] == 0 for r in cases["tuned float32"]["runs"])
+    assert cases["tuned float32"]["summary"]["compute_dtype"] == "float32"
+    assert cases["tuned int8"]["summary"]["compute_dtype"] in ("float32", "bfloat16")
     tuned = cases["tuned float32"]["summary"]
     assert {"vision_encode", "prefill", "decode"} <= set(tuned["stages"])
     assert 0 < tuned["decode_fraction_of_bandwidth_ceiling"]
@@ -49,3 +52,17 @@ def test_precision_advice_is_measured():
     for dtype in ("float32", "bfloat16"):
         assert advice.evidence[dtype]["prefill_gflops"] > 0 and advice.evidence[dtype]["decode_ms_per_layer"] > 0
     assert any("GFLOP/s" in reason for reason in advice.reasons)
+
+
+def test_quick_plan_follows_the_advice_and_loads_each_model_once():
+    def multi_turn(cases):
+        return [c.name for c in cases if c.group == "multi_turn"]
+
+    assert multi_turn(plan(True, 2, "bfloat16")) == ["multi-turn float32", "multi-turn bfloat16"]
+    assert multi_turn(plan(True, 2, "float32")) == ["multi-turn float32"]
+    for cases in (plan(True, 2), plan(False, 4)):
+        order = execution_order(cases)
+        assert sorted(c.name for c in order) == sorted(c.name for c in cases)
+        keys = [(c.baseline, c.engine_key()) for c in order]
+        contiguous_runs = [k for i, k in enumerate(keys) if i == 0 or keys[i - 1] != k]
+        assert len(contiguous_runs) == len(set(keys))  # no engine setting comes back after another one
