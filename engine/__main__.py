@@ -3,12 +3,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
-from .config import COMPUTE_DTYPES, DTYPES, PROJECT_DIR, SKELETON_DIR, EngineConfig
+from .config import COMPUTE_DTYPES, DTYPES, SKELETON_DIR, EngineConfig
 
 
 def _progress(fraction: float, message: str) -> None:
@@ -93,16 +92,10 @@ def cmd_make_tiny(args) -> int:
     return 0
 
 
-def default_images_dir() -> Path:
-    """The shared folder of real photos and scans beside the project, else the bundled samples."""
-    shared = Path(os.environ.get("VLSCOPE_SHARED", PROJECT_DIR.parent / "shared")) / "images"
-    return shared if shared.is_dir() else PROJECT_DIR / "samples"
-
-
 def cmd_bench(args) -> int:
     import datetime as dt
 
-    from .bench import default_model, run_bench
+    from .bench import default_images_dir, default_model, run_bench
 
     images = Path(args.images) if args.images else default_images_dir()
     out = Path(args.out) if args.out else Path("bench-results") / dt.datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -141,7 +134,7 @@ def _fail(exc: BaseException) -> int:
 
 
 def cmd_tune(args) -> int:
-    from .bench import default_model
+    from .bench import default_images_dir, default_model
     from .tuning import markdown, tune
 
     try:

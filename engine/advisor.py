@@ -62,11 +62,15 @@ def advise(report: SystemReport | None = None) -> PrecisionAdvice:
         f"({bf16['decode_ms_per_layer']:.2f} vs {fp32['decode_ms_per_layer']:.2f} ms)",
         "the CPU has native bfloat16 instructions" if native else "the CPU has no native bfloat16 instructions",
     ]
+    compute = "bfloat16" if bfloat16_matmul_is_faster(torch.get_num_threads()) else "float32"
+    reasons.append(f"bfloat16 or int8 weights would compute in {compute} here (compute_dtype=auto)"
+                   + ("" if compute == "bfloat16" else ": compact weights for decode, float32 matmul for prefill"))
     recommended = "bfloat16" if prefill_gain > 1.2 and decode_gain > 1.2 else "float32"
     if recommended == "bfloat16":
         reasons.append("bfloat16 rounds weights to 8 bits of mantissa: check the benchmark's drift figures "
                        "(and OCR accuracy with real weights) before switching.")
-    return PrecisionAdvice(recommended, tuple(reasons), {"float32": fp32, "bfloat16": bf16, "native_bf16": native})
+    return PrecisionAdvice(recommended, tuple(reasons), {"float32": fp32, "bfloat16": bf16, "native_bf16": native,
+                                                         "compact_weights_compute": compute})
 
 
 @functools.cache

@@ -10,6 +10,7 @@ import dataclasses
 import datetime as dt
 import gc
 import json
+import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ import torch
 from PIL import Image
 
 from .advisor import advise
-from .config import SKELETON_DIR, EngineConfig
+from .config import PROJECT_DIR, SKELETON_DIR, EngineConfig
 from .engine import Engine
 from .images import fit_to_budget
 from .metrics import RssSampler
@@ -356,6 +357,12 @@ def _run_case(case: Case, model: str, images_dir: Path, threads: int, repeats: i
         lm_facts[case.dtype] = (language_model_weight_bytes(loaded_model), language_model_params(loaded_model))
     engine = engines[case.engine_key()]
     return CaseResult(case, run_engine_case(engine, case, image, repeats), engine.info.load_seconds)
+
+
+def default_images_dir() -> Path:
+    """The shared folder of real photos and scans beside the project, else the bundled samples."""
+    shared = Path(os.environ.get("VLSCOPE_SHARED", PROJECT_DIR.parent / "shared")) / "images"
+    return shared if shared.is_dir() else PROJECT_DIR / "samples"
 
 
 def default_model() -> str:

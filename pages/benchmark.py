@@ -1,13 +1,11 @@
 """Benchmark page: a small sweep on the loaded model, the CPU's precision advice, and the latest full bench."""
 import dataclasses
 import json
-import os
-from pathlib import Path
 
 import streamlit as st
 
 from engine.advisor import advise
-from engine.bench import markdown_report, report_figure, sweep_on_engine
+from engine.bench import default_images_dir, markdown_report, report_figure, sweep_on_engine
 from engine.config import PROJECT_DIR
 from ui.engine_resource import get_engine
 
@@ -22,11 +20,9 @@ with left:
     st.write("Two image sizes and a three-question conversation, 16 tokens each. Other users wait while it runs.")
     if loaded is not None and st.button("Run the sweep", key="run_sweep", type="primary"):
         bar = st.progress(0.0, text="starting")
-        shared = Path(os.environ.get("VLSCOPE_SHARED", PROJECT_DIR.parent / "shared")) / "images"
-        images = shared if shared.is_dir() else PROJECT_DIR / "samples"
         try:
             st.session_state["sweep"] = sweep_on_engine(
-                loaded.engine, images, lambda fraction, message: bar.progress(fraction, text=message))
+                loaded.engine, default_images_dir(), lambda fraction, message: bar.progress(fraction, text=message))
         except Exception as exc:  # a busy queue or a refused request: say so, keep the page
             st.error(f"The sweep stopped: {exc}")
         bar.empty()
