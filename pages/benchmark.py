@@ -5,7 +5,7 @@ import json
 import streamlit as st
 
 from engine.advisor import advise
-from engine.bench import default_images_dir, markdown_report, report_figure, sweep_on_engine
+from engine.bench import default_images_dir, markdown_report, reference_result, report_figure, sweep_on_engine
 from engine.config import PROJECT_DIR
 from ui.engine_resource import get_engine
 
@@ -49,9 +49,12 @@ if "sweep" in st.session_state:
     st.divider()
     show(st.session_state["sweep"], "sweep_chart")
 
-results = sorted((PROJECT_DIR / "bench-results").glob("*/bench.json")) + [PROJECT_DIR / "docs/bench-quick/bench.json"]
-latest = next((p for p in reversed(results) if p.exists()), None)
-if latest is not None:
+reference = reference_result()
+if reference is not None:
+    path, same_cpu = reference
     st.divider()
-    st.subheader(f"Latest full benchmark: `{latest.relative_to(PROJECT_DIR)}`")
-    show(json.loads(latest.read_text()), "latest_chart")
+    st.subheader(f"Benchmark on record: `{path.relative_to(PROJECT_DIR)}`")
+    if not same_cpu:
+        st.info("Measured on a CPU with other instructions than this one: run `python -m engine bench --quick` "
+                "here for this server's own figures.", icon=":material/info:")
+    show(json.loads(path.read_text()), "latest_chart")

@@ -6,7 +6,8 @@ import subprocess
 import sys
 
 from engine.advisor import advise
-from engine.bench import execution_order, plan
+from engine.bench import Case, bench_image, execution_order, plan, reference_result, run_engine_case
+from engine.system import system_report
 
 from .conftest import ROOT
 
@@ -66,3 +67,38 @@ def test_quick_plan_follows_the_advice_and_loads_each_model_once():
         keys = [(c.baseline, c.engine_key()) for c in order]
         contiguous_runs = [k for i, k in enumerate(keys) if i == 0 or keys[i - 1] != k]
         assert len(contiguous_runs) == len(set(keys))  # no engine setting comes back after another one
+
+
+def test_reference_result_prefers_this_servers_runs_then_a_cpu_like_this_one(tmp_path):
+    assert reference_result(tmp_path) is None
+
+    def write(relative: str, flags, created: str, quick=True):
+        path = tmp_path / relative / "bench.json"
+        path.parent.mkdir(parents=True)
+        path.write_text(json.dumps({"machine": {"isa_flags": list(flags)}, "created": created, "quick": quick}))
+        return path
+
+    here = system_report().isa_flags
+    similar = write("docs/bench/this-cpu/quick", here, "2026-01-01")
+    write("docs/bench/other-cpu/full", ("amx_tile", "made-up-flag"), "2026-06-01", quick=False)
+    assert reference_result(tmp_path) == (similar, True)
+    (tmp_path / "docs/bench/broken/quick").mkdir(parents=True)
+    (tmp_path / "docs/bench/broken/quick/bench.json").write_text("{not json")
+    assert reference_result(tmp_path) == (similar, True)
+    own = write("bench-results/20260701-120000", here, "2026-07-01")
+    assert reference_result(tmp_path) == (own, True)
+
+
+def test_a_time_budget_cuts_repetitions_but_never_the_first(make_engine, images_dir):
+    engine = make_engine()
+    image = bench_image("448x448", images_dir)
+    single = Case("one", "precision", max_new_tokens=2)
+    assert len(run_engine_case(engine, single, image, repeats=3)) == 3
+    assert len(run_engine_case(engine, single, image, repeats=3, budget_s=0.0)) == 1
+    conversation = Case("talk", "multi_turn", max_new_tokens=2, turns=2)
+    records = run_engine_case(engine, conversation, image, repeats=3, budget_s=0.0)
+    assert [r["turn"] for r in records] == [1, 2]  # one whole conversation, not a cut one
+    twice = run_engine_case(engine, conversation, image, repeats=2)
+    # the second conversation reuses its own first turn, not the longer cache the first conversation left
+    assert twice[1]["cached_prompt_tokens"] == twice[3]["cached_prompt_tokens"] > 0
+    assert twice[2]["cached_prompt_tokens"] == 0
