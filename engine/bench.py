@@ -171,7 +171,9 @@ def run_baseline_case(model_source: str, case: Case, image: Image.Image, threads
     """What a first deployment does: load, the processor's default image budget, model.generate, no warm-up."""
     from transformers import TextStreamer
 
-    config = EngineConfig(model=model_source, dtype=case.dtype, threads=threads, warmup=False)
+    # compute_dtype pinned to the weights' dtype: a plain from_pretrained in that dtype, none of vlscope's choices.
+    config = EngineConfig(model=model_source, dtype=case.dtype, threads=threads, warmup=False,
+                          compute_dtype="float32" if case.dtype == "float32" else "bfloat16")
     with RssSampler() as rss:
         started = time.perf_counter()
         loaded = load_model(config)

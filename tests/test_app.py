@@ -138,11 +138,13 @@ def test_settings_change_reloads_the_model(app_env):
     at = start()
     at.switch_page("pages/settings.py").run()
     at.selectbox(key="set_dtype").set_value("bfloat16")
+    at.selectbox(key="set_compute_dtype").set_value("float32")
     at.button(key="apply_settings").click().run()
     assert not at.exception
     at.switch_page("pages/chat.py").run()
     ask(at, "Hi")
-    assert MetricsStore(app_env).recent(1, include_warmup=False)[0].dtype == "bfloat16"
+    record = MetricsStore(app_env).recent(1, include_warmup=False)[0]
+    assert (record.dtype, record.compute_dtype) == ("bfloat16", "float32")
     at = start()  # a new session sees the new settings too
     assert {m.label: m.value for m in at.sidebar.metric}["dtype"] == "bfloat16"
 

@@ -6,7 +6,8 @@ import subprocess
 import sys
 
 from engine.advisor import advise
-from engine.bench import Case, bench_image, execution_order, plan, reference_result, run_engine_case
+from engine.bench import (Case, bench_image, execution_order, plan, reference_result, run_baseline_case,
+                          run_engine_case)
 from engine.system import system_report
 
 from .conftest import ROOT
@@ -102,3 +103,11 @@ def test_a_time_budget_cuts_repetitions_but_never_the_first(make_engine, images_
     # the second conversation reuses its own first turn, not the longer cache the first conversation left
     assert twice[1]["cached_prompt_tokens"] == twice[3]["cached_prompt_tokens"] > 0
     assert twice[2]["cached_prompt_tokens"] == 0
+
+
+def test_the_baseline_is_plain_transformers_in_the_weights_dtype(tiny_model, images_dir):
+    """No vlscope choice leaks into the baseline: bfloat16 weights compute in bfloat16 there, whatever the CPU."""
+    case = Case("baseline bfloat16", "baseline", dtype="bfloat16", max_new_tokens=3, baseline=True)
+    load_s, [record] = run_baseline_case(str(tiny_model), case, bench_image("448x448", images_dir), threads=1)
+    assert load_s > 0 and record["compute_dtype"] == "bfloat16" and record["output_tokens"] == 3
+    assert record["ttft_s"] > 0 and record["e2e_s"] >= record["ttft_s"]
