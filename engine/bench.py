@@ -29,9 +29,9 @@ from .images import fit_to_budget
 from .metrics import RssSampler
 from .model_loading import has_weights, load_model
 from .preprocess import chat_messages, patchify_images, tokenize_prompt
-from .quantize import Bf16Linear, Int8Linear
+from .quantize import CompactLinear
 
-COMPACT_LINEAR = (torch.nn.Linear, Int8Linear, Bf16Linear)
+COMPACT_LINEAR = (torch.nn.Linear, CompactLinear)
 from .request import ChatRequest, Turn
 from .system import system_report
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 KERNEL_DTYPE = torch.bfloat16  # activations of the decode-sized kernels
-# Above this many rows (prefill) a dequantised bfloat16 matmul beats the int8 kernel, which is built for
+# Above this many rows (prefill) a matmul on widened weights beats the int8 kernel, which is built for
 # matrix-vector products (measured: 28 layers x 210 rows, 553 ms int8 kernel vs 208 ms bf16 + dequant cost).
 DIRECT_ROWS = 16
 
@@ -38,9 +38,35 @@ def quantize_rows(weight: torch.Tensor, block_rows: int = 512) -> tuple[torch.Te
     return quantized, scales
 
 
-class Int8Linear(nn.Module):
-    """int8 weights with one scale per output row. Computes in the input's dtype; the decode kernel takes
-    bfloat16 activations (measured faster than float32 ones on both CPUs above)."""
+class CompactLinear(nn.Module):
+    """A Linear whose weight is stored in fewer bytes than it computes in. Decode-sized products (up to
+    DIRECT_ROWS rows) go through `small_product` on bfloat16 activations; larger ones through a matmul in the
+    input's dtype on the weight widened by `widened` for that one product."""
+
+    in_features: int
+    out_features: int
+    bias: torch.Tensor | None
+
+    def small_product(self, rows: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def widened(self, dtype: torch.dtype) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.shape[0] <= DIRECT_ROWS:
+            out = self.small_product(rows.to(KERNEL_DTYPE).contiguous()).to(x.dtype)
+        else:
+            out = F.linear(rows, self.widened(x.dtype))
+        if self.bias is not None:
+            out = out + self.bias.to(x.dtype)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+class Int8Linear(CompactLinear):
+    """int8 weights with one scale per output row. The decode kernel takes bfloat16 activations (measured
+    faster than float32 ones on both CPUs above)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
@@ -50,16 +76,11 @@ class Int8Linear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().float())
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] <= DIRECT_ROWS:
-            out = torch.ops.aten._weight_int8pack_mm(rows.to(KERNEL_DTYPE).contiguous(), self.weight, self.scales)
-            out = out.to(x.dtype)
-        else:
-            out = F.linear(rows, self.weight.to(x.dtype) * self.scales.to(x.dtype)[:, None])
-        if self.bias is not None:
-            out = out + self.bias.to(x.dtype)
-        return out.reshape(*x.shape[:-1], self.out_features)
+    def small_product(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(rows, self.weight, self.scales)
+
+    def widened(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.weight.to(dtype) * self.scales.to(dtype)[:, None]
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"
@@ -81,7 +102,7 @@ def quantize_int8_(model: nn.Module) -> int:
     return swapped + 1
 
 
-class Bf16Linear(nn.Module):
+class Bf16Linear(CompactLinear):
     """bfloat16 weights in a model that computes in float32 (for CPUs without fast bfloat16 matmul)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
@@ -90,15 +111,11 @@ class Bf16Linear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().float())
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] <= DIRECT_ROWS:
-            out = F.linear(rows.to(KERNEL_DTYPE), self.weight).to(x.dtype)
-        else:
-            out = F.linear(rows, self.weight.to(x.dtype))
-        if self.bias is not None:
-            out = out + self.bias.to(x.dtype)
-        return out.reshape(*x.shape[:-1], self.out_features)
+    def small_product(self, rows: torch.Tensor) -> torch.Tensor:
+        return F.linear(rows, self.weight)
+
+    def widened(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.weight.to(dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bfloat16"
@@ -124,7 +141,7 @@ def compute_in_float32_(model: nn.Module) -> None:
     biases) is small and becomes float32. Activations, attention and the KV cache are then float32."""
     token_embedding = model.get_input_embeddings()
     for parent in list(model.modules()):
-        if isinstance(parent, (Int8Linear, Bf16Linear, Bf16Embedding)):
+        if isinstance(parent, (CompactLinear, Bf16Embedding)):
             continue
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
