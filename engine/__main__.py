@@ -42,8 +42,8 @@ def cmd_ask(args) -> int:
 
     try:
         config = EngineConfig.from_env(
-            model=args.model, dtype=args.dtype, compute_dtype=args.compute_dtype, threads=args.threads, max_new_tokens=args.max_new_tokens,
-            db_path=args.db, warmup=False if args.no_warmup else None,
+            model=args.model, dtype=args.dtype, compute_dtype=args.compute_dtype, threads=args.threads,
+            max_new_tokens=args.max_new_tokens, db_path=args.db, warmup=False if args.no_warmup else None,
         )
     except ValueError as exc:
         return _fail(exc)

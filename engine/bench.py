@@ -28,12 +28,12 @@ from .engine import Engine
 from .images import fit_to_budget
 from .metrics import RssSampler
 from .model_loading import has_weights, load_model
-from .preprocess import chat_messages, patchify_images, tokenize_prompt
+from .preprocess import single_image_inputs
 from .quantize import CompactLinear
-
-COMPACT_LINEAR = (torch.nn.Linear, CompactLinear)
 from .request import ChatRequest, Turn
 from .system import system_report
+
+COMPACT_LINEAR = (torch.nn.Linear, CompactLinear)
 
 PROMPT = "Describe this image."
 FOLLOW_UPS = ("What colours stand out?", "Is there any text in it?")
@@ -178,12 +178,10 @@ def run_baseline_case(model_source: str, case: Case, image: Image.Image, threads
         started = time.perf_counter()
         loaded = load_model(config)
         load_s = time.perf_counter() - started
-        processor = loaded.image_processor
-        size = processor.size
+        size = loaded.image_processor.size
         resized = fit_to_budget(*image.size, size["shortest_edge"], size["longest_edge"])
         request_started = time.perf_counter()
-        prompt = tokenize_prompt(loaded.tokenizer, chat_messages((), PROMPT, [1]), [resized], loaded.image_token_id)
-        patches = patchify_images(processor, [image], [resized])
+        prompt, patches = single_image_inputs(loaded, image, resized, PROMPT)
         token_times: list[float] = []
 
         class Clock(TextStreamer):
@@ -232,8 +230,7 @@ def measure_drift(model_source: str, image: Image.Image, dtypes: list[str], new_
         report(0, f"drift: {dtype}")
         loaded = load_model(EngineConfig(model=model_source, dtype=dtype, threads=threads, warmup=False))
         resized = fit_to_budget(*image.size, 64 * 1024, 1024 * 1024)
-        prompt = tokenize_prompt(loaded.tokenizer, chat_messages((), PROMPT, [1]), [resized], loaded.image_token_id)
-        patches = patchify_images(loaded.image_processor, [image], [resized])
+        prompt, patches = single_image_inputs(loaded, image, resized, PROMPT)
         with torch.inference_mode():
             if "tokens" not in sequences:
                 output = loaded.model.generate(
@@ -325,10 +322,9 @@ def summarize(result: CaseResult, ceilings: dict, lm_bytes: int | None, lm_param
     prefill = summary["stages"].get("prefill")
     if lm_params and prefill and result.case.kv_cache:
         flops = 2 * lm_params * (summary["prompt_tokens"] - first_turns[0].get("cached_prompt_tokens", 0))
-        compute_dtype = summary["compute_dtype"]
         achieved = flops / prefill["median"] / 1e9
         summary["prefill_gflops"] = achieved
-        summary["prefill_fraction_of_compute_ceiling"] = achieved / ceilings["matmul_gflops"][compute_dtype]
+        summary["prefill_fraction_of_compute_ceiling"] = achieved / ceilings["matmul_gflops"][summary["compute_dtype"]]
     return summary
 
 

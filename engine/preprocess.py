@@ -79,3 +79,10 @@ def patchify_images(image_processor, images: list[Image.Image], resized_sizes: l
     ]
     features = image_processor(images=resized, do_resize=False, return_tensors="pt")
     return ImagePatches(pixel_values=features["pixel_values"], image_grid_thw=features["image_grid_thw"])
+
+
+def single_image_inputs(loaded, image, resized: tuple[int, int], text: str) -> tuple[PromptTokens, ImagePatches]:
+    """One question about one image, outside the engine (the bench's baseline and drift runs, `tune`):
+    `loaded` is a LoadedModel, `resized` the size the image is fitted to."""
+    prompt = tokenize_prompt(loaded.tokenizer, chat_messages((), text, [1]), [resized], loaded.image_token_id)
+    return prompt, patchify_images(loaded.image_processor, [image], [resized])

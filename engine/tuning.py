@@ -17,11 +17,12 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache, StaticCache
 
+from .bench import PROMPT
 from .config import EngineConfig
 from .generate import decode_one_token, encode_images, prefill, sample
 from .images import fit_to_budget
 from .model_loading import LoadedModel, load_model
-from .preprocess import chat_messages, patchify_images, tokenize_prompt
+from .preprocess import single_image_inputs
 
 GREEDY = (0.0, 1.0, torch.Generator())
 
@@ -42,9 +43,7 @@ def _inputs(loaded: LoadedModel, image_path: Path, side: int):
 
     image = Image.open(image_path).convert("RGB").resize((side, side))
     resized = fit_to_budget(*image.size, 64 * 1024, 1024 * 1024)
-    prompt = tokenize_prompt(loaded.tokenizer, chat_messages((), "Describe this image.", [1]), [resized],
-                             loaded.image_token_id)
-    return prompt, patchify_images(loaded.image_processor, [image], [resized])
+    return single_image_inputs(loaded, image, resized, PROMPT)
 
 
 def run_once(loaded: LoadedModel, prompt, patches, new_tokens: int, cache_factory, vision=None):

@@ -111,3 +111,19 @@ def test_the_baseline_is_plain_transformers_in_the_weights_dtype(tiny_model, ima
     load_s, [record] = run_baseline_case(str(tiny_model), case, bench_image("448x448", images_dir), threads=1)
     assert load_s > 0 and record["compute_dtype"] == "bfloat16" and record["output_tokens"] == 3
     assert record["ttft_s"] > 0 and record["e2e_s"] >= record["ttft_s"]
+
+
+def test_tune_measures_each_option_on_the_same_tokens(tiny_model, images_dir):
+    from engine.config import EngineConfig
+    from engine.tuning import markdown, tune
+
+    lines: list[str] = []
+    trials = tune(EngineConfig(model=str(tiny_model), threads=1, warmup=False), images_dir / "coffee.png",
+                  new_tokens=3, repeats=1, side=128, compile_=False, report=lines.append)
+    assert [(t.choice, t.option) for t in trials] == [("attention", "sdpa"), ("attention", "eager"),
+                                                       ("kv cache", "dynamic"), ("kv cache", "static")]
+    assert all(len(t.tokens) == 3 and t.prefill_s > 0 and t.decode_ms_per_token > 0 for t in trials)
+    assert trials[0].vision_s > 0 and trials[2].vision_s is None  # the cache trials reuse one vision encode
+    table = markdown(trials, "# tune")
+    assert table.count("\n| ") == len(trials) + 1 and ("| NO |" in table) == any(
+        t.tokens != trials[0].tokens for t in trials)
