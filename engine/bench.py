@@ -29,11 +29,10 @@ from .images import fit_to_budget
 from .metrics import RssSampler
 from .model_loading import has_weights, load_model
 from .preprocess import single_image_inputs
-from .quantize import CompactLinear
+from .quantize import LINEAR_KINDS, linear_weight_bytes
 from .request import ChatRequest, Turn
 from .system import system_report
 
-COMPACT_LINEAR = (torch.nn.Linear, CompactLinear)
 
 PROMPT = "Describe this image."
 FOLLOW_UPS = ("What colours stand out?", "Is there any text in it?")
@@ -110,18 +109,13 @@ def _timed(fn) -> float:
 
 def language_model_weight_bytes(model) -> int:
     """Bytes a decode step reads: every Linear of the language model plus the LM head (the vision tower is idle)."""
-    total = 0
     modules = list(model.model.language_model.modules()) + [model.lm_head]
-    for module in modules:
-        if isinstance(module, COMPACT_LINEAR):
-            total += sum(t.numel() * t.element_size() for t in module.buffers() if t is not None)
-            total += sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
-    return total
+    return sum(linear_weight_bytes(module) for module in modules if isinstance(module, LINEAR_KINDS))
 
 
 def language_model_params(model) -> int:
     modules = list(model.model.language_model.modules()) + [model.lm_head]
-    return sum(m.in_features * m.out_features for m in modules if isinstance(m, COMPACT_LINEAR))
+    return sum(m.in_features * m.out_features for m in modules if isinstance(m, LINEAR_KINDS))
 
 
 # ---- workloads -------------------------------------------------------------------------------------------------

@@ -16,6 +16,9 @@ DTYPES = ("float32", "bfloat16", "int8")
 # What bfloat16 and int8 weights compute in. auto: bfloat16 where this CPU's bfloat16 matmul measures faster
 # than float32, else float32 with the weights kept compact (see engine/quantize.py).
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
+# How Linear layers run. packed: weights reordered once at load for oneDNN (float32, bfloat16) or fbgemm (int8,
+# int8 activations), the fastest measured here; plain: PyTorch's stock kernels (parity tests, the bench's baseline).
+KERNELS = ("packed", "plain")
 # Shorter names people type, beside the VLSCOPE_<FIELD> ones.
 ENV_ALIASES = {"db_path": "VLSCOPE_DB"}
 # One vision token covers a 32x32 pixel block (16-pixel patches merged 2x2).
@@ -34,6 +37,7 @@ class EngineConfig:
     model: str = DEFAULT_MODEL
     dtype: str = "float32"
     compute_dtype: str = "auto"
+    kernels: str = "packed"
     threads: int = dataclasses.field(default_factory=default_threads)
     kv_cache: bool = True
     # Recent conversations whose KV cache is kept, so a follow-up skips re-encoding and re-prefilling them.
@@ -66,6 +70,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(f"compute_dtype must be one of {', '.join(COMPUTE_DTYPES)}, not {self.compute_dtype!r}")
+        if self.kernels not in KERNELS:
+            raise ValueError(f"kernels must be one of {', '.join(KERNELS)}, not {self.kernels!r}")
         if self.threads < 1:
             raise ValueError("threads must be at least 1")
         if not 0 < self.min_pixels <= self.max_pixels:

@@ -23,7 +23,7 @@ from torch import nn
 from .advisor import bfloat16_matmul_is_faster
 from .config import EngineConfig
 from .errors import ModelUnavailable
-from .quantize import compute_in_float32_, quantize_int8_
+from .quantize import compute_in_float32_, pack_linears_, packing_works, quantize_int8_
 
 log = logging.getLogger(__name__)
 
@@ -74,9 +74,10 @@ def resolve_compute_dtype(config: EngineConfig) -> str:
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of parameters and buffers (int8 weights and their scales included), tied tensors counted once."""
+    """Bytes of parameters and buffers (int8 weights and their scales included), tied tensors counted once, plus
+    the weights kernels hold packed in their own layouts."""
     seen: set[int] = set()
-    total = 0
+    total = sum(getattr(module, "packed_nbytes", 0) for module in model.modules())
     for tensor in list(model.parameters()) + list(model.buffers()):
         if tensor.data_ptr() in seen:
             continue
@@ -225,6 +226,13 @@ def load_model(config: EngineConfig, progress: ProgressCallback | None = None) -
     if compute_dtype == "float32" and config.dtype != "float32":
         report(0.9, f"{config.dtype} weights, float32 compute (faster on this CPU)")
         compute_in_float32_(model)
+    if config.kernels == "packed":
+        wide = torch.float32 if compute_dtype == "float32" else torch.bfloat16
+        if packing_works(wide):
+            report(0.92, f"Packing {compute_dtype} weights for oneDNN's kernels")
+            pack_linears_(model, wide)
+        else:
+            log.warning("oneDNN's packed Linear is not available or disagrees here: plain kernels")
     report(0.95, "Model ready")
     return LoadedModel(
         model=model,

@@ -1,6 +1,7 @@
 """What this machine is, as far as CPU inference cares: CPU, ISA flags, huge pages, threads, memory, versions."""
 from __future__ import annotations
 
+import functools
 import platform
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +14,7 @@ ISA_FLAGS = {
     "avx2": "AVX2",
     "avx512f": "AVX-512",
     "avx512_vnni": "AVX-512 VNNI (int8 dot products)",
+    "avx_vnni": "AVX-VNNI (int8 dot products)",
     "avx512_bf16": "AVX-512 BF16",
     "amx_tile": "AMX tiles",
     "amx_bf16": "AMX BF16",
@@ -51,6 +53,12 @@ def _cpuinfo() -> tuple[str, set[str]]:
     except OSError:
         pass
     return model, flags
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags as /proc/cpuinfo spells them (empty where there is no such file)."""
+    return frozenset(_cpuinfo()[1])
 
 
 def _thp_setting() -> str:
