@@ -21,8 +21,9 @@ def _stage_table(metrics) -> str:
     rows.append(f"{'end to end':<14}{metrics.e2e_s:>10.3f}")
     rate = f"{metrics.decode_tokens_per_s:.2f}" if metrics.decode_tokens_per_s else "-"
     ttft = f"{metrics.ttft_s:.3f} s" if metrics.ttft_s is not None else "-"
+    read = f" ({metrics.decode_gb_per_s:.1f} GB/s of weights)" if metrics.decode_gb_per_s else ""
     rows.append(
-        f"TTFT {ttft} | decode {rate} tok/s | vision tokens {metrics.vision_tokens} | prompt tokens "
+        f"TTFT {ttft} | decode {rate} tok/s{read} | vision tokens {metrics.vision_tokens} | prompt tokens "
         f"{metrics.prompt_tokens} | output tokens {metrics.output_tokens}"
     )
     gb = 1 << 30

@@ -27,11 +27,11 @@ from .config import PROJECT_DIR, SKELETON_DIR, EngineConfig
 from .engine import Engine
 from .images import fit_to_budget
 from .metrics import RssSampler
-from .model_loading import has_weights, load_model
+from .model_loading import decode_weight_bytes, has_weights, load_model
 from .preprocess import single_image_inputs
-from .quantize import LINEAR_KINDS, linear_weight_bytes
+from .quantize import LINEAR_KINDS
 from .request import ChatRequest, Turn
-from .system import system_report
+from .system import memory_read_gb_per_s, system_report
 
 
 PROMPT = "Describe this image."
@@ -76,7 +76,7 @@ class CaseResult:
 def measure_ceilings(threads: int) -> dict:
     """Memory bandwidth (read of a tensor much larger than the caches) and matmul rates at model-like shapes."""
     torch.set_num_threads(threads)
-    bandwidth = _read_bandwidth()
+    bandwidth = memory_read_gb_per_s(gib=2.0)
     rates = {}
     for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
         # The weight laid out as nn.Linear keeps it, (out, in): the other layout can take a path 60x slower
@@ -95,22 +95,10 @@ def best_ceilings(first: dict, second: dict) -> dict:
     }
 
 
-def _read_bandwidth() -> float:
-    big = torch.ones(512 * 1024 * 1024)  # 2 GiB of float32, far beyond any cache
-    best = min(_timed(big.sum) for _ in range(3))
-    return big.numel() * 4 / best / 1e9
-
-
 def _timed(fn) -> float:
     started = time.perf_counter()
     fn()
     return time.perf_counter() - started
-
-
-def language_model_weight_bytes(model) -> int:
-    """Bytes a decode step reads: every Linear of the language model plus the LM head (the vision tower is idle)."""
-    modules = list(model.model.language_model.modules()) + [model.lm_head]
-    return sum(linear_weight_bytes(module) for module in modules if isinstance(module, LINEAR_KINDS))
 
 
 def language_model_params(model) -> int:
@@ -334,7 +322,7 @@ def sweep_on_engine(engine: Engine, images_dir: Path, report: Report, cases=APP_
     machine = system_report()
     report(0.0, "measuring the machine's ceilings")
     ceilings = measure_ceilings(engine.config.threads)
-    lm_bytes, lm_params = language_model_weight_bytes(engine.loaded.model), language_model_params(engine.loaded.model)
+    lm_bytes, lm_params = engine.loaded.decode_weight_bytes, language_model_params(engine.loaded.model)
     results = []
     for index, template in enumerate(cases):
         case = dataclasses.replace(template, dtype=engine.config.dtype, threads=engine.config.threads,
@@ -376,7 +364,7 @@ def _run_case(case: Case, model: str, images_dir: Path, threads: int, repeats: i
                               db_path=db_path, max_queue=1)
         engines[case.engine_key()] = Engine(config)
         loaded_model = engines[case.engine_key()].loaded.model
-        lm_facts[case.dtype] = (language_model_weight_bytes(loaded_model), language_model_params(loaded_model))
+        lm_facts[case.dtype] = (decode_weight_bytes(loaded_model), language_model_params(loaded_model))
     engine = engines[case.engine_key()]
     return CaseResult(case, run_engine_case(engine, case, image, repeats, budget_s), engine.info.load_seconds)
 

@@ -365,6 +365,7 @@ class Engine(StreamingMixin):
             threads=config.threads,
             kv_cache=config.kv_cache,
             weight_bytes=loaded.weight_bytes if loaded else 0,
+            decode_weight_bytes=loaded.decode_weight_bytes if loaded else 0,
             prompt=request.prompt if config.store_content else None,
             answer=answer if config.store_content else None,
             **facts,

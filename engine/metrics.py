@@ -55,6 +55,7 @@ class RequestMetrics:
     rss_peak_bytes: int = 0
     rss_after_bytes: int = 0
     weight_bytes: int = 0
+    decode_weight_bytes: int = 0  # weights one decode step reads (language model and head); 0 when unknown
     compute_dtype: str | None = None  # float32 or bfloat16; None when unknown (older records, remote servers)
     error_type: str | None = None
     error: str | None = None
@@ -62,6 +63,13 @@ class RequestMetrics:
     pid: int = 0  # the serving process, to tell a dead server's unfinished records from a live one's
     prompt: str | None = None  # only when storing content is on
     answer: str | None = None
+
+    @property
+    def decode_gb_per_s(self) -> float | None:
+        """Weights read per second while decoding: how close decode runs to the memory's read rate."""
+        if not self.decode_tokens_per_s or not self.decode_weight_bytes:
+            return None
+        return self.decode_weight_bytes * self.decode_tokens_per_s / 1e9
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -23,7 +23,8 @@ from torch import nn
 from .advisor import bfloat16_matmul_is_faster
 from .config import EngineConfig
 from .errors import ModelUnavailable
-from .quantize import compute_in_float32_, pack_linears_, packing_works, quantize_int8_
+from .quantize import (LINEAR_KINDS, compute_in_float32_, linear_weight_bytes, pack_linears_, packing_works,
+                       quantize_int8_)
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ class LoadedModel:
     compute_dtype: str  # what activations, attention and the KV cache are in: float32 or bfloat16
     weight_bytes: int
     load_seconds: float
+    decode_weight_bytes: int = 0  # bytes of weights one decode step reads: the language model's Linears and head
 
 
 def has_weights(folder: Path) -> bool:
@@ -84,6 +86,13 @@ def weight_bytes(model: nn.Module) -> int:
         seen.add(tensor.data_ptr())
         total += tensor.numel() * tensor.element_size()
     return total
+
+
+def decode_weight_bytes(model: nn.Module) -> int:
+    """Bytes a decode step reads: every Linear of the language model plus the LM head (the vision tower is idle,
+    the embeddings give one row). Decode is bound by this over the memory's read rate."""
+    modules = list(model.model.language_model.modules()) + [model.lm_head]
+    return sum(linear_weight_bytes(module) for module in modules if isinstance(module, LINEAR_KINDS))
 
 
 def fill_synthetic_(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
@@ -246,6 +255,7 @@ def load_model(config: EngineConfig, progress: ProgressCallback | None = None) -
         compute_dtype=compute_dtype,
         weight_bytes=weight_bytes(model),
         load_seconds=time.perf_counter() - started,
+        decode_weight_bytes=decode_weight_bytes(model),
     )
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import platform
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,6 +60,24 @@ def _cpuinfo() -> tuple[str, set[str]]:
 def cpu_flags() -> frozenset[str]:
     """This CPU's feature flags as /proc/cpuinfo spells them (empty where there is no such file)."""
     return frozenset(_cpuinfo()[1])
+
+
+def memory_read_gb_per_s(gib: float = 0.5, repeats: int = 3) -> float:
+    """How fast this process reads memory: the sum of a float32 tensor far beyond the caches, best of `repeats`.
+    Decode reads every weight once per token, so this is its ceiling."""
+    big = torch.ones(int(gib * (1 << 30)) // 4)
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        big.sum()
+        best = min(best, time.perf_counter() - started)
+    return big.numel() * 4 / best / 1e9
+
+
+@functools.cache
+def read_ceiling_gb_per_s() -> float:
+    """memory_read_gb_per_s measured once per process (a fraction of a second), for pages that show decode's share."""
+    return memory_read_gb_per_s()
 
 
 def _thp_setting() -> str:

@@ -4,7 +4,7 @@ import time
 import streamlit as st
 
 from engine import stage_percentiles, to_csv
-from engine.system import ISA_FLAGS, system_report
+from engine.system import ISA_FLAGS, read_ceiling_gb_per_s, system_report
 from ui.charts import (label, latency_over_time, records_frame, rss_chart, server_stages, stage_bars,
                        token_latency_chart)
 from ui.engine_resource import get_store
@@ -39,12 +39,18 @@ def live_view() -> None:
         st.info("No requests in this window yet. Ask something on the Chat page; it shows up here within seconds.")
         return
     latest = records[0]
-    top = st.columns(5)
+    top = st.columns(6)
     top[0].metric("requests", len(records))
     top[1].metric("last TTFT", f"{latest.ttft_s:.2f} s" if latest.ttft_s is not None else "–")
     top[2].metric("last decode", f"{latest.decode_tokens_per_s:.1f} tok/s" if latest.decode_tokens_per_s else "–")
     top[3].metric("last total", f"{latest.e2e_s:.1f} s")
     top[4].metric("last peak RSS", f"{latest.rss_peak_bytes / GIB:.2f} GiB")
+    rate = latest.decode_gb_per_s
+    ceiling = read_ceiling_gb_per_s() if rate else None
+    top[5].metric("last decode read", f"{rate:.1f} GB/s" if rate else "–",
+                  delta=f"{rate / ceiling:.0%} of {ceiling:.0f} GB/s" if rate else None, delta_color="off",
+                  help="Weights one decode step reads (the language model and its head) times tokens per second, "
+                       "against this machine's memory read rate, measured once: decode cannot go faster than that.")
 
     shown = records[:60]  # the newest; older ones stay in the table and the CSV
     st.subheader("Where the time went, per request")

@@ -125,6 +125,10 @@ def test_profiling_page_shows_the_new_request(app_env):
     assert not at.exception
     metrics = {m.label: m.value for m in at.metric}
     assert metrics["requests"] == "1"  # the warm-up is hidden by default
+    assert record.decode_weight_bytes > 0 and record.decode_gb_per_s > 0
+    assert metrics["last decode read"] == f"{record.decode_gb_per_s:.1f} GB/s"
+    delta = next(m for m in at.metric if m.label == "last decode read").delta
+    assert delta.endswith("GB/s") and "% of " in delta  # against the measured read ceiling
     charts = at.get("plotly_chart")
     stage_chart = json.loads(charts[0].proto.spec)
     assert any(record.id[:6] in label for trace in stage_chart["data"] for label in trace["x"])

@@ -94,7 +94,8 @@ def records_frame(records: list[RequestMetrics]) -> pd.DataFrame:
             "time": dt.datetime.fromtimestamp(r.submitted_at), "id": r.id[:8], "status": r.status, "source": r.source,
             "warmup": r.warmup, "dtype": r.dtype, "threads": r.threads, "synthetic": r.synthetic,
             "vision tokens": r.vision_tokens, "prompt tokens": r.prompt_tokens, "output tokens": r.output_tokens,
-            "queue wait s": r.queue_wait_s, "TTFT s": r.ttft_s, "tok/s": r.decode_tokens_per_s, "total s": r.e2e_s,
+            "queue wait s": r.queue_wait_s, "TTFT s": r.ttft_s, "tok/s": r.decode_tokens_per_s, "decode GB/s": r.decode_gb_per_s,
+            "total s": r.e2e_s,
             "peak RSS GiB": r.rss_peak_bytes / GIB, "error": r.error,
         })
     return pd.DataFrame(rows)
