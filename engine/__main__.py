@@ -101,12 +101,18 @@ def cmd_bench(args) -> int:
     images = Path(args.images) if args.images else default_images_dir()
     out = Path(args.out) if args.out else Path("bench-results") / dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     repeats = args.repeats or (2 if args.quick else 5)
+    from .errors import VlscopeError
+
     started = time.perf_counter()
-    document = run_bench(args.model or default_model(), args.quick, repeats, images, out,
-                         args.db or EngineConfig.from_env().db_path,
-                         lambda fraction, message: print(f"[{time.perf_counter() - started:6.0f}s {fraction * 100:3.0f}%] "
-                                                         f"{message}", file=sys.stderr, flush=True),
-                         drift=not args.no_drift)
+    try:
+        document = run_bench(args.model or default_model(), args.quick, repeats, images, out,
+                             args.db or EngineConfig.from_env().db_path,
+                             lambda fraction, message: print(f"[{time.perf_counter() - started:6.0f}s "
+                                                             f"{fraction * 100:3.0f}%] {message}", file=sys.stderr,
+                                                             flush=True),
+                             drift=not args.no_drift, against=args.against)
+    except VlscopeError as exc:  # the compared server is down, refuses the key, or fails a request
+        return _fail(exc)
     print((out / "bench.md").read_text())
     print(f"wrote {out}/bench.json, bench.md, bench.html in {time.perf_counter() - started:.0f} s "
           f"({len(document['cases'])} cases)", file=sys.stderr)
@@ -195,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--out", help="output folder (default bench-results/<time>)")
     bench.add_argument("--db", help="metrics database for the engine's records")
     bench.add_argument("--no-drift", action="store_true", help="skip the precision drift measurement")
+    bench.add_argument("--against", metavar="URL",
+                       help="also send each precision's request to this OpenAI-compatible server (llama.cpp's "
+                            "llama-server, vLLM, Ollama, another vlscope), interleaved, and report the ratios")
     bench.set_defaults(run=cmd_bench)
 
     tune = commands.add_parser("tune", help="measure attention implementation, cache kind and torch.compile")

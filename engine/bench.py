@@ -58,6 +58,7 @@ class Case:
     max_new_tokens: int = 128
     turns: int = 1
     baseline: bool = False  # plain transformers generate instead of the engine
+    remote_url: str = ""  # another OpenAI-compatible server, measured through the remote engine (--against)
 
     def engine_key(self) -> tuple:
         return (self.dtype, self.threads, self.kv_cache)
@@ -69,6 +70,7 @@ class CaseResult:
     runs: list[dict] = field(default_factory=list)  # one metrics record per measured repetition (or turn)
     load_s: float | None = None
     summary: dict = field(default_factory=dict)
+    remote_runs: list[dict] = field(default_factory=list)  # the compared server's runs, interleaved with these
 
 
 # ---- the machine's ceilings ------------------------------------------------------------------------------------
@@ -147,6 +149,24 @@ def run_engine_case(engine: Engine, case: Case, image: Image.Image, repeats: int
         last = time.perf_counter() - started
         spent += last
     return records
+
+
+def run_interleaved(engine: Engine, other, case: Case, image: Image.Image, repeats: int,
+                    budget_s: float | None = None) -> tuple[list[dict], list[dict]]:
+    """The same request on vlscope and on another server in turn, A B A B, so both see the same moments of a
+    machine whose speed drifts; returns each side's records."""
+    ours: list[dict] = []
+    theirs: list[dict] = []
+    spent = last = 0.0
+    for repetition in range(repeats):
+        if repetition and budget_s is not None and spent + last > budget_s:
+            break
+        started = time.perf_counter()
+        ours += run_engine_case(engine, case, image, 1)
+        theirs += run_engine_case(other, case, image, 1)
+        last = time.perf_counter() - started
+        spent += last
+    return ours, theirs
 
 
 def run_baseline_case(model_source: str, case: Case, image: Image.Image, threads: int) -> tuple[float, list[dict]]:
@@ -350,9 +370,16 @@ def _release(engines: dict) -> None:
     gc.collect()
 
 
+def _connect(url: str, db_path: str):
+    from .remote import RemoteEngine
+
+    return RemoteEngine(EngineConfig(remote_url=url, db_path=db_path, max_queue=1))
+
+
 def _run_case(case: Case, model: str, images_dir: Path, threads: int, repeats: int, db_path: str,
-              engines: dict, lm_facts: dict, budget_s: float | None = None) -> CaseResult:
-    """One case; engines are reused across cases with the same settings (a function, so no local outlives it)."""
+              engines: dict, lm_facts: dict, budget_s: float | None = None, remote=None) -> CaseResult:
+    """One case; engines are reused across cases with the same settings (a function, so no local outlives it).
+    With `remote`, a precision case runs interleaved with the same request on that server (kept in remote_runs)."""
     image = bench_image(case.image, images_dir)
     if case.baseline:
         _release(engines)
@@ -366,6 +393,9 @@ def _run_case(case: Case, model: str, images_dir: Path, threads: int, repeats: i
         loaded_model = engines[case.engine_key()].loaded.model
         lm_facts[case.dtype] = (decode_weight_bytes(loaded_model), language_model_params(loaded_model))
     engine = engines[case.engine_key()]
+    if remote is not None and case.group == "precision":
+        ours, theirs = run_interleaved(engine, remote, case, image, repeats, budget_s)
+        return CaseResult(case, ours, engine.info.load_seconds, remote_runs=theirs)
     return CaseResult(case, run_engine_case(engine, case, image, repeats, budget_s), engine.info.load_seconds)
 
 
@@ -406,9 +436,10 @@ def default_model() -> str:
 
 
 def run_bench(model: str, quick: bool, repeats: int, images_dir: Path, out_dir: Path, db_path: str,
-              report: Report, drift: bool = True) -> dict:
+              report: Report, drift: bool = True, against: str | None = None) -> dict:
     machine = system_report()
     threads = machine.physical_cores
+    remote = _connect(against, db_path) if against else None  # before any measuring: a wrong URL fails at once
     report(0.0, "measuring the machine's ceilings and which precision suits it")
     ceilings = measure_ceilings(threads)
     advice = advise(machine)
@@ -427,10 +458,17 @@ def run_bench(model: str, quick: bool, repeats: int, images_dir: Path, out_dir: 
     engines: dict[tuple, Engine] = {}
     for case in execution_order(cases):
         result = _run_case(case, model, images_dir, case.threads or threads, repeats, db_path, engines, lm_facts,
-                           QUICK_CASE_BUDGET_S if quick else None)
+                           QUICK_CASE_BUDGET_S if quick else None, remote)
         by_case[case] = result
+        if remote is not None and case.group == "precision":
+            compared = dataclasses.replace(case, name=f"against {case.dtype}", group="against", dtype="remote",
+                                           remote_url=against)
+            by_case[compared] = CaseResult(compared, result.remote_runs, remote.info.load_seconds)
+            cases.insert(cases.index(case) + 1, compared)
         advance(f"{case.name}: done")
     _release(engines)
+    if remote is not None:
+        remote.close()
     # A shared VM's speed drifts over minutes: a ceiling is the best rate seen, measured before and after.
     ceilings = best_ceilings(ceilings, measure_ceilings(threads))
     results = [by_case[case] for case in cases]
@@ -457,6 +495,7 @@ def run_bench(model: str, quick: bool, repeats: int, images_dir: Path, out_dir: 
         "ceilings": ceilings,
         "drift_vs_float32": drift_results,
         "cases": [{"case": dataclasses.asdict(r.case), "summary": r.summary, "runs": r.runs} for r in results],
+        "against": {"url": against, "model": remote.info.model} if remote is not None else None,
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "bench.json").write_text(json.dumps(document, indent=1, default=str))
@@ -480,6 +519,11 @@ def _precision(dtype: str, compute_dtype: str | None) -> str:
 def _median(summary: dict, key: str):
     value = summary.get(key)
     return value["median"] if isinstance(value, dict) else value
+
+
+def _ratio(ours: dict, other: dict, key: str) -> float | None:
+    mine, theirs = _median(ours, key), _median(other, key)
+    return mine / theirs if mine and theirs else None
 
 
 def markdown_report(document: dict) -> str:
@@ -508,6 +552,22 @@ def markdown_report(document: dict) -> str:
             f"{_fmt(fraction * 100 if fraction else None, 0)} | {_fmt(compute * 100 if compute else None, 0)} | "
             f"{_fmt(_median(s, 'e2e_s'), 1)} | {s['rss_peak_bytes'] / 1e9:.1f} |"
         )
+    against = document.get("against")
+    if against:
+        by_name = {entry["case"]["name"]: entry["summary"] for entry in document["cases"]}
+        lines += ["", f"Against `{against['model']}`, the same request interleaved with vlscope's in one run "
+                  "(ratio vlscope / other: above 1 is faster for decode, below 1 is faster for TTFT and end to end):",
+                  "", "| vlscope case | other decode tok/s | decode ratio | other TTFT s | TTFT ratio | other end-to-end s | "
+                  "end-to-end ratio |", "|---|---|---|---|---|---|---|"]
+        for entry in document["cases"]:
+            case = entry["case"]
+            other = by_name.get(f"against {case['dtype']}") if case["group"] == "precision" else None
+            if other is None:
+                continue
+            ratios = [_ratio(entry["summary"], other, key) for key in ("decode_tokens_per_s", "ttft_s", "e2e_s")]
+            lines.append(f"| {case['name']} | {_fmt(_median(other, 'decode_tokens_per_s'))} | {_fmt(ratios[0])} | "
+                         f"{_fmt(_median(other, 'ttft_s'))} | {_fmt(ratios[1])} | {_fmt(_median(other, 'e2e_s'), 1)} | "
+                         f"{_fmt(ratios[2])} |")
     if document["drift_vs_float32"]:
         lines += ["", "Numerical drift against float32 (teacher-forced on float32's answer):", "",
                   "| dtype | top-1 agreement | max abs logit error | positions |", "|---|---|---|---|"]

@@ -11,15 +11,24 @@ from engine.bench import (Case, bench_image, execution_order, plan, reference_re
 from engine.system import system_report
 
 from .conftest import ROOT
+from .test_api import start_server
 
 
 def test_quick_bench_writes_json_markdown_and_html(tiny_model, images_dir, tmp_path):
+    """The quick sweep, compared against another OpenAI-compatible server (a second vlscope here, as llama.cpp's
+    llama-server would be) with --against."""
     out = tmp_path / "bench"
-    run = subprocess.run(
-        [sys.executable, "-m", "engine", "bench", "--quick", "--model", str(tiny_model), "--images", str(images_dir),
-         "--out", str(out), "--db", str(tmp_path / "bench.db"), "--repeats", "1"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-    )
+    other, url = start_server(tiny_model, tmp_path / "other.db", tmp_path / "other.log")
+    try:
+        run = subprocess.run(
+            [sys.executable, "-m", "engine", "bench", "--quick", "--model", str(tiny_model), "--images",
+             str(images_dir), "--out", str(out), "--db", str(tmp_path / "bench.db"), "--repeats", "2",
+             "--against", f"{url}/v1"],
+            cwd=ROOT, capture_output=True, text=True, timeout=600,
+        )
+    finally:
+        other.terminate()
+        other.wait(20)
     assert run.returncode == 0, run.stderr[-3000:]
     document = json.loads((out / "bench.json").read_text())
     assert document["ceilings"]["memory_read_gb_per_s"] > 0
@@ -38,13 +47,22 @@ def test_quick_bench_writes_json_markdown_and_html(tiny_model, images_dir, tmp_p
     assert {"vision_encode", "prefill", "decode"} <= set(tuned["stages"])
     assert 0 < tuned["decode_fraction_of_bandwidth_ceiling"]
     multi = cases["multi-turn float32"]
-    assert [r["turn"] for r in multi["runs"]] == [1, 2, 3]
-    assert all(r["cached_prompt_tokens"] > r["vision_tokens"] for r in multi["runs"][1:])  # image not re-encoded
+    assert [r["turn"] for r in multi["runs"]] == [1, 2, 3] * multi["summary"]["repetitions"]
+    assert all(r["cached_prompt_tokens"] > r["vision_tokens"] for r in multi["runs"] if r["turn"] > 1)  # image not re-encoded
     assert set(document["drift_vs_float32"]) == {"bfloat16", "int8"}
     for drift in document["drift_vs_float32"].values():
         assert 0 <= drift["top1_agreement"] <= 1 and drift["max_abs_logit_error"] >= 0
+    # the other server answered the same requests, A B A B with each precision: as many runs as vlscope's
+    for dtype in ("float32", "bfloat16", "int8"):
+        theirs, ours = cases[f"against {dtype}"], cases[f"tuned {dtype}"]
+        assert theirs["case"]["group"] == "against" and len(theirs["runs"]) == len(ours["runs"]) >= 1
+        assert all(r["dtype"] == "remote" and r["status"] == "ok" for r in theirs["runs"])
+        assert [r["submitted_at"] < t["submitted_at"] for r, t in zip(ours["runs"], theirs["runs"])] == \
+            [True] * len(ours["runs"])
+    assert document["against"]["url"] == f"{url}/v1"
     markdown = (out / "bench.md").read_text()
     assert markdown.count("\n| ") >= len(cases) + 2 and "baseline float32" in markdown
+    assert "decode ratio" in markdown and markdown.count("| tuned ") >= 6  # the case table and the comparison
     assert "plotly" in (out / "bench.html").read_text()[:100000].lower()
 
 
