@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import base64
 import binascii
-import time
 import urllib.request
+from pathlib import Path
 from urllib.parse import urlparse
 
 from engine import ChatRequest, RequestMetrics, Turn
@@ -14,13 +14,17 @@ class ApiError(Exception):
     """An error with its HTTP status and OpenAI error type; the message is shown to the client as it is."""
 
     def __init__(self, status: int, message: str, error_type: str = "invalid_request_error", code: str | None = None,
-                 retry_after: int | None = None):
+                 retry_after: int | None = None, param: str | None = None):
         super().__init__(message)
-        self.status, self.message, self.error_type, self.code, self.retry_after = (
-            status, message, error_type, code, retry_after)
+        self.status, self.message, self.error_type, self.code, self.retry_after, self.param = (
+            status, message, error_type, code, retry_after, param)
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.error_type, "param": None, "code": self.code}}
+        return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
+
+
+def unsupported(param: str, message: str) -> ApiError:
+    return ApiError(400, message, code="unsupported_parameter", param=param)
 
 
 def image_bytes(url: str, allowed_hosts: frozenset[str], max_bytes: int) -> bytes:
@@ -79,37 +83,87 @@ def _number(body: dict, name: str, kind, low, high, inclusive_low=True):
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
-        raise ApiError(400, f"{name} must be a {kind.__name__}")
-    if value < low or value > high or (not inclusive_low and value == low):
-        raise ApiError(400, f"{name} must be between {low} and {high}")
+        raise ApiError(400, f"{name} must be a {kind.__name__}", code="invalid_type", param=name)
+    if not value == value or not low <= value <= high or (not inclusive_low and value == low):  # NaN fails too
+        raise ApiError(400, f"{name} must be between {low} and {high}", code="invalid_value", param=name)
     return kind(value)
+
+
+def _flag(body: dict, name: str, default: bool = False) -> bool:
+    """A JSON boolean: the string "false" is not one (it would be truthy)."""
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ApiError(400, f"{name} must be true or false", code="invalid_type", param=name)
+    return value
+
+
+def stream_settings(body: dict) -> tuple[bool, bool]:
+    """(stream, include_usage), checked before the request is queued."""
+    stream = _flag(body, "stream")
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not isinstance(options, dict):
+        raise ApiError(400, "stream_options must be an object", code="invalid_type", param="stream_options")
+    return stream, _flag(options, "include_usage")
+
+
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+def check_unsupported(body: dict) -> None:
+    """What a single-stream CPU server does not do is refused by name, never silently ignored."""
+    if body.get("n") not in (None, 1):
+        raise unsupported("n", "n > 1 is not supported: one answer per request (send the request again)")
+    for name in ("tools", "functions", "tool_choice", "function_call"):
+        if body.get(name) not in (None, [], "none"):
+            raise unsupported(name, f"{name} is not supported: this server does not call tools")
+    response_format = body.get("response_format")
+    if response_format is not None and (not isinstance(response_format, dict) or response_format.get("type") != "text"):
+        raise unsupported("response_format", "only response_format {\"type\": \"text\"} is supported")
 
 
 def to_chat_request(body: dict, allowed_hosts: frozenset[str], max_image_bytes: int, max_tokens_cap: int) -> ChatRequest:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    check_unsupported(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "messages must be a non-empty list")
+        raise ApiError(400, "messages must be a non-empty list", param="messages")
     parsed = []
     for message in messages:
-        if not isinstance(message, dict) or message.get("role") not in ("system", "user", "assistant"):
-            raise ApiError(400, "each message needs a role of system, user or assistant")
+        if not isinstance(message, dict) or message.get("role") not in ROLES:
+            raise ApiError(400, "each message needs a role of system, developer, user or assistant", param="messages")
+        role = ROLES[message["role"]]
         text, images = _content(message.get("content", ""), allowed_hosts, max_image_bytes)
-        if images and message["role"] != "user":
-            raise ApiError(400, "only user messages may carry images")
-        parsed.append((message["role"], text, images))
+        if images and role != "user":
+            raise ApiError(400, "only user messages may carry images", param="messages")
+        parsed.append((role, text, images))
     role, prompt, images = parsed[-1]
     if role != "user":
-        raise ApiError(400, "the last message must come from the user")
+        raise ApiError(400, "the last message must come from the user", param="messages")
     max_tokens = _number(body, "max_completion_tokens", int, 1, max_tokens_cap)
     max_tokens = max_tokens or _number(body, "max_tokens", int, 1, max_tokens_cap)
     return ChatRequest(
         prompt=prompt, images=images, history=tuple(Turn(r, t, i) for r, t, i in parsed[:-1]),
         max_new_tokens=max_tokens, temperature=_number(body, "temperature", float, 0, 2),
         top_p=_number(body, "top_p", float, 0, 1, inclusive_low=False), source="api",
-        ignore_eos=bool(body.get("ignore_eos", False)),  # vLLM's extension, for fixed-length benchmarks
+        ignore_eos=_flag(body, "ignore_eos"),  # vLLM's extension, for fixed-length benchmarks
     )
+
+
+def served_model_name(model: str, configured: str = "") -> str:
+    """The id clients send back: the setting, else the hub id, else the model folder's name (never a path)."""
+    if configured:
+        return configured
+    path = Path(model)
+    return path.name if path.is_absolute() or model.startswith((".", "~")) or len(path.parts) > 2 else model
+
+
+def model_entry(name: str, created: int) -> dict:
+    return {"id": name, "object": "model", "created": created, "owned_by": "vlscope"}
 
 
 def finish_reason(metrics: RequestMetrics) -> str:
@@ -139,6 +193,8 @@ def completion(model: str, text: str, metrics: RequestMetrics) -> dict:
     }
 
 
-def chunk(request_id: str, model: str, delta: dict, finish: str | None = None, **extra) -> dict:
-    return {"id": f"chatcmpl-{request_id}", "object": "chat.completion.chunk", "created": int(time.time()),
-            "model": model, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **extra}
+def chunk(request_id: str, model: str, created: int, delta: dict | None, finish: str | None = None, **extra) -> dict:
+    """A streamed chunk; `delta` None makes the final usage chunk, which has no choices (as OpenAI sends it)."""
+    choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish}]
+    return {"id": f"chatcmpl-{request_id}", "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": choices, **extra}

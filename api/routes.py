@@ -19,10 +19,12 @@ from engine import (Busy, InsufficientMemory, InvalidImage, PromptTooLong, Reque
 from ui.engine_resource import engine_slot, ensure_loaded, get_store
 
 from . import prometheus
-from .openai_format import ApiError, chunk, completion, finish_reason, public_metrics, to_chat_request, usage
+from .openai_format import (ApiError, chunk, completion, finish_reason, model_entry, public_metrics, served_model_name,
+                            stream_settings, to_chat_request, usage)
 
 log = logging.getLogger(__name__)
 POLL_S = 0.25  # how often a waiting handler checks that its client is still there
+STARTED = int(time.time())  # the served model's `created`: when this server process started
 
 
 def _api_keys() -> set[str]:
@@ -128,18 +130,35 @@ async def _events(handle, request: Request, watch: ClientWatch | None = None):
         handle.cancel()  # no-op once finished; stops generation if the client left mid-stream
 
 
+def served_name(engine) -> str:
+    return served_model_name(getattr(engine, "model_name", None) or engine.info.model,
+                             engine.config.served_model_name)
+
+
+def _check_model(engine, body: dict) -> str:
+    name = served_name(engine)
+    asked = body.get("model")
+    if asked is not None and asked != name and not engine.config.api_any_model:
+        raise ApiError(404, f"The model {asked!r} does not exist; this server serves {name!r}.",
+                       code="model_not_found", param="model")
+    return name
+
+
 async def chat_completions(request: Request) -> Response:
     try:
         _check_key(request)
         body = await _read_json(request)
         engine = _engine()
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        model = _check_model(engine, body)
+        stream, include_usage = stream_settings(body)
         chat = to_chat_request(body, _allowed_hosts(), engine.config.max_image_bytes, 8192)
         try:
             handle = await anyio.to_thread.run_sync(engine.submit, chat)
         except VlscopeError as exc:
             raise _engine_error(exc) from None
-        model = engine.info.model
-        if body.get("stream"):
+        if stream:
             watch = ClientWatch()
             events = _events(handle, request, watch)
             # Hold the 200 until the prompt has passed the engine's checks, so a too-long prompt is a plain 400.
@@ -152,7 +171,6 @@ async def chat_completions(request: Request) -> Response:
                         break
             except VlscopeError as exc:
                 raise _engine_error(exc) from None
-            include_usage = bool((body.get("stream_options") or {}).get("include_usage", True))
             watch.active = False
             return StreamingResponse(_sse(handle, early, events, model, include_usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -183,14 +201,18 @@ async def _sse(handle, early: list, events, model: str, include_usage: bool):
     def event(data) -> str:
         return f"data: {json.dumps(data)}\n\n"
 
-    yield event(chunk(handle.id, model, {"role": "assistant", "content": ""}))
+    created = int(time.time())  # the same in every chunk of one answer
+    yield event(chunk(handle.id, model, created, {"role": "assistant", "content": ""}))
     try:
         async for item in _chain(early, events):
             if isinstance(item, TextChunk):
-                yield event(chunk(handle.id, model, {"content": item.text}))
+                yield event(chunk(handle.id, model, created, {"content": item.text}))
             elif isinstance(item, RequestMetrics):
-                extra = {"usage": usage(item), "metrics": public_metrics(item)} if include_usage else {}
-                yield event(chunk(handle.id, model, {}, finish_reason(item), **extra))
+                # vlscope's stage timings ride on the last choice chunk (clients ignore fields they do not know);
+                # usage comes only when asked, in a chunk of its own with no choices, as OpenAI sends it.
+                yield event(chunk(handle.id, model, created, {}, finish_reason(item), metrics=public_metrics(item)))
+                if include_usage:
+                    yield event(chunk(handle.id, model, created, None, usage=usage(item)))
     except VlscopeError as exc:
         yield event(_engine_error(exc).body())
     except asyncio.CancelledError:  # client disconnected: _events' finally has cancelled the request
@@ -198,14 +220,41 @@ async def _sse(handle, early: list, events, model: str, include_usage: bool):
     yield "data: [DONE]\n\n"
 
 
+def _model_name() -> str:
+    slot = engine_slot()
+    if slot.ready:
+        return served_name(slot.loaded.engine)
+    return served_model_name(slot.config.remote_model or slot.config.model, slot.config.served_model_name)
+
+
 async def models(request: Request) -> Response:
     try:
         _check_key(request)
     except ApiError as error:
         return error_response(error)
-    slot = engine_slot()
-    name = slot.loaded.engine.info.model if slot.ready else slot.config.model
-    return JSONResponse({"object": "list", "data": [{"id": name, "object": "model", "owned_by": "vlscope"}]})
+    return JSONResponse({"object": "list", "data": [model_entry(_model_name(), STARTED)]})
+
+
+async def model(request: Request) -> Response:
+    try:
+        _check_key(request)
+        name, asked = _model_name(), request.path_params["model"]
+        if asked != name:
+            raise ApiError(404, f"The model {asked!r} does not exist; this server serves {name!r}.",
+                           code="model_not_found", param="model")
+    except ApiError as error:
+        return error_response(error)
+    return JSONResponse(model_entry(name, STARTED))
+
+
+async def not_found(request: Request) -> Response:
+    return error_response(ApiError(404, f"Unknown API route {request.url.path}: this server serves "
+                                        "/v1/chat/completions and /v1/models.", code="unknown_url"))
+
+
+async def method_not_allowed(request: Request) -> Response:
+    return error_response(ApiError(405, f"{request.method} is not allowed on {request.url.path}.",
+                                   code="method_not_allowed"))
 
 
 async def health(request: Request) -> Response:
@@ -228,9 +277,15 @@ async def metrics(request: Request) -> Response:
     return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
 
+ALL_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE"]
 routes = [
     Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    Route("/v1/chat/completions", method_not_allowed, methods=["GET", "PUT", "PATCH", "DELETE"]),
     Route("/v1/models", models, methods=["GET"]),
+    Route("/v1/models/{model:path}", model, methods=["GET"]),
+    Route("/v1/models", method_not_allowed, methods=["POST", "PUT", "PATCH", "DELETE"]),
     Route("/health", health, methods=["GET"]),
     Route("/metrics", metrics, methods=["GET"]),
+    # Last: any other /v1 path is a JSON 404, never the app's HTML page (which a client would take as an answer).
+    Route("/v1/{path:path}", not_found, methods=ALL_METHODS),
 ]

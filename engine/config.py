@@ -64,6 +64,10 @@ class EngineConfig:
     remote_url: str = ""
     remote_api_key: str = ""
     remote_model: str = ""
+    # The model id the API shows and accepts: empty means the hub id, or the model folder's name (never a path).
+    served_model_name: str = ""
+    # Accept any `model` in API requests (served by this one model) instead of answering 404 model_not_found.
+    api_any_model: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

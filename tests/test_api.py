@@ -58,19 +58,20 @@ def image_message(images_dir, text="Read the text"):
 def test_non_streaming_and_streaming_answers(server, images_dir):
     url, db = server
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-    answer = client.chat.completions.create(model="vlscope", messages=image_message(images_dir), max_tokens=8)
+    answer = client.chat.completions.create(model=client.models.list().data[0].id, messages=image_message(images_dir), max_tokens=8)
     assert answer.choices[0].message.content and answer.choices[0].finish_reason == "length"
     assert answer.usage.completion_tokens == 8 and answer.usage.prompt_tokens > 50
     metrics = answer.model_extra["metrics"]
     assert metrics["vision_tokens"] > 0 and metrics["stages"]["vision_encode"] > 0 and metrics["source"] == "api"
     assert "prompt" not in metrics and "answer" not in metrics
 
-    stream = client.chat.completions.create(model="vlscope", messages=image_message(images_dir), max_tokens=8,
+    stream = client.chat.completions.create(model=client.models.list().data[0].id, messages=image_message(images_dir), max_tokens=8,
                                             stream=True)
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text and chunks[-1].choices[0].finish_reason == "length"
-    assert chunks[-1].usage.completion_tokens == 8
+    assert all(c.usage is None for c in chunks)  # usage only when asked for
+    assert len({c.created for c in chunks}) == 1
     records = MetricsStore(db).recent(10, include_warmup=False)
     assert len(records) == 2 and all(r.source == "api" and r.status == "ok" for r in records)
 
@@ -98,6 +99,46 @@ def test_non_streaming_and_streaming_answers(server, images_dir):
         shutdown()
 
 
+def test_openai_client_conventions(server, images_dir):
+    """What OpenAI's clients rely on: usage in a final chunk of its own when asked, `developer` as system, the served
+    model's id (not a path) that retrieve() finds, JSON 404/405 for unknown routes and methods, and refusals that
+    name the parameter instead of ignoring it."""
+    url, _ = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    [entry] = client.models.list().data
+    assert "/" not in entry.id and entry.owned_by == "vlscope" and entry.created > 0
+    assert client.models.retrieve(entry.id).id == entry.id
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.models.retrieve("no-such-model")
+    assert caught.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert caught.value.body["param"] == "model"
+
+    chunks = list(client.chat.completions.create(
+        model=entry.id, messages=[{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}],
+        max_tokens=4, stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4
+    assert all(c.usage is None for c in chunks[:-1]) and chunks[-2].choices[0].finish_reason == "length"
+    assert len({c.created for c in chunks}) == 1 and chunks[0].model == entry.id
+
+    refused = [({"n": 2}, "n"), ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+               ({"response_format": {"type": "json_object"}}, "response_format"), ({"stream": "false"}, "stream"),
+               ({"stream_options": "yes"}, "stream_options"), ({"temperature": float("nan")}, "temperature")]
+    for extra, param in refused:
+        response = httpx.post(f"{url}/v1/chat/completions", json={
+            "model": entry.id, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **extra} if
+            param != "temperature" else None, content=None if param != "temperature" else
+            b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}',
+            headers={"content-type": "application/json"})
+        assert response.status_code == 400, (param, response.text)
+        assert response.json()["error"]["param"] == param
+    for method, path, status in (("GET", "/v1/chat/completions", 405), ("POST", "/v1/models", 405),
+                                 ("GET", "/v1/embeddings", 404), ("POST", "/v1/completions", 404)):
+        response = httpx.request(method, f"{url}{path}")
+        assert response.status_code == status and "error" in response.json(), (method, path, response.text[:200])
+
+
 def test_bad_inputs_get_openai_errors(server, images_dir):
     url, _ = server
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
@@ -114,7 +155,7 @@ def test_bad_inputs_get_openai_errors(server, images_dir):
     ]
     for messages, expected in cases:
         with pytest.raises(openai.BadRequestError) as caught:
-            client.chat.completions.create(model="vlscope", messages=messages)
+            client.chat.completions.create(model=client.models.list().data[0].id, messages=messages)
         assert expected in caught.value.message, (expected, caught.value.message)
     response = httpx.post(f"{url}/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert response.status_code == 400 and response.json()["error"]["type"] == "invalid_request_error"
@@ -127,9 +168,9 @@ def test_api_keys_body_limit_and_busy_queue(tiny_model, images_dir, tmp_path):
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="k2", max_retries=0)
-        assert client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        assert client.chat.completions.create(model=client.models.list().data[0].id, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
         with pytest.raises(openai.APIStatusError) as caught:
-            client.chat.completions.create(model="m", messages=image_message(images_dir))
+            client.chat.completions.create(model=client.models.list().data[0].id, messages=image_message(images_dir))
         assert caught.value.status_code == 413
         # hold the only slot with a long stream, then a second request is refused with Retry-After
         holder = httpx.Client(timeout=60).stream("POST", f"{url}/v1/chat/completions", headers={"Authorization": "Bearer k1"},
@@ -163,7 +204,7 @@ def test_concurrent_clients_are_served_in_order_and_disconnect_frees_the_queue(s
     results = {}
 
     def ask(index):
-        results[index] = client.chat.completions.create(model="m", messages=[{"role": "user", "content": f"q{index}"}],
+        results[index] = client.chat.completions.create(model=client.models.list().data[0].id, messages=[{"role": "user", "content": f"q{index}"}],
                                                         max_tokens=6)
 
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]

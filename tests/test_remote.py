@@ -66,7 +66,7 @@ def test_vlscope_in_front_of_vlscope_api_and_app(backend, tiny_model, images_dir
                                   VLSCOPE_REMOTE_URL=f"{url}/v1")
     try:
         client = openai.OpenAI(base_url=f"{front}/v1", api_key="unused", max_retries=0)
-        answer = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hello"}], max_tokens=5)
+        answer = client.chat.completions.create(model=client.models.list().data[0].id, messages=[{"role": "user", "content": "hello"}], max_tokens=5)
         assert answer.choices[0].message.content
         assert MetricsStore(backend_db).recent(1)[0].output_tokens == 5  # served by the backend
     finally:
