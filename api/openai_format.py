@@ -146,12 +146,55 @@ def to_chat_request(body: dict, allowed_hosts: frozenset[str], max_image_bytes: 
         raise ApiError(400, "the last message must come from the user", param="messages")
     max_tokens = _number(body, "max_completion_tokens", int, 1, max_tokens_cap)
     max_tokens = max_tokens or _number(body, "max_tokens", int, 1, max_tokens_cap)
+    top_logprobs = _number(body, "top_logprobs", int, 0, 20)
+    if _flag(body, "logprobs"):
+        top_logprobs = top_logprobs or 0
+    elif top_logprobs is not None:
+        raise ApiError(400, "top_logprobs needs logprobs: true", code="invalid_value", param="top_logprobs")
     return ChatRequest(
         prompt=prompt, images=images, history=tuple(Turn(r, t, i) for r, t, i in parsed[:-1]),
         max_new_tokens=max_tokens, temperature=_number(body, "temperature", float, 0, 2),
         top_p=_number(body, "top_p", float, 0, 1, inclusive_low=False), source="api",
         ignore_eos=_flag(body, "ignore_eos"),  # vLLM's extension, for fixed-length benchmarks
+        stop=_stop(body.get("stop")), seed=_number(body, "seed", int, -2**63, 2**64 - 1),
+        presence_penalty=_number(body, "presence_penalty", float, -2, 2) or 0.0,
+        frequency_penalty=_number(body, "frequency_penalty", float, -2, 2) or 0.0,
+        logit_bias=_logit_bias(body.get("logit_bias")), top_logprobs=top_logprobs,
     )
+
+
+def _stop(value) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or len(stops) > 4 or not all(isinstance(s, str) and s for s in stops):
+        raise ApiError(400, "stop must be a non-empty string or a list of up to 4 of them", code="invalid_value",
+                       param="stop")
+    return tuple(stops)
+
+
+def _logit_bias(value) -> tuple[tuple[int, float], ...]:
+    if value is None:
+        return ()
+    try:
+        if not isinstance(value, dict) or len(value) > 300:
+            raise ValueError
+        pairs = tuple((int(token), float(bias)) for token, bias in value.items())
+        if not all(0 <= token < 2**31 and -100 <= bias <= 100 for token, bias in pairs):
+            raise ValueError
+    except (TypeError, ValueError):
+        raise ApiError(400, "logit_bias must map up to 300 token ids to numbers from -100 to 100",
+                       code="invalid_value", param="logit_bias") from None
+    return pairs
+
+
+def logprobs_content(entries, token_text) -> list[dict]:
+    """OpenAI's logprobs.content list for TokenLogprob entries; token_text(id) gives a token's text."""
+    def one(token: int, logprob: float) -> dict:
+        text = token_text(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return [one(e.token, e.logprob) | {"top_logprobs": [one(t, lp) for t, lp in e.top]} for e in entries]
 
 
 def served_model_name(model: str, configured: str = "") -> str:
@@ -167,6 +210,8 @@ def model_entry(name: str, created: int) -> dict:
 
 
 def finish_reason(metrics: RequestMetrics) -> str:
+    if metrics.finish_reason:
+        return metrics.finish_reason
     return "length" if metrics.output_tokens >= metrics.max_new_tokens else "stop"
 
 
@@ -183,18 +228,21 @@ def public_metrics(metrics: RequestMetrics) -> dict:
     return record
 
 
-def completion(model: str, text: str, metrics: RequestMetrics) -> dict:
+def completion(model: str, text: str, metrics: RequestMetrics, logprobs: list[dict] | None = None) -> dict:
     return {
         "id": f"chatcmpl-{metrics.id}", "object": "chat.completion", "created": int(metrics.submitted_at),
         "model": model,
         "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                     "logprobs": None if logprobs is None else {"content": logprobs},
                      "finish_reason": finish_reason(metrics)}],
         "usage": usage(metrics), "metrics": public_metrics(metrics),
     }
 
 
-def chunk(request_id: str, model: str, created: int, delta: dict | None, finish: str | None = None, **extra) -> dict:
+def chunk(request_id: str, model: str, created: int, delta: dict | None, finish: str | None = None,
+          logprobs: list[dict] | None = None, **extra) -> dict:
     """A streamed chunk; `delta` None makes the final usage chunk, which has no choices (as OpenAI sends it)."""
-    choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish}]
+    choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish,
+                                         "logprobs": None if logprobs is None else {"content": logprobs}}]
     return {"id": f"chatcmpl-{request_id}", "object": "chat.completion.chunk", "created": created, "model": model,
             "choices": choices, **extra}

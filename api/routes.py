@@ -19,8 +19,8 @@ from engine import (Busy, InsufficientMemory, InvalidImage, PromptTooLong, Reque
 from ui.engine_resource import engine_slot, ensure_loaded, get_store
 
 from . import prometheus
-from .openai_format import (ApiError, chunk, completion, finish_reason, model_entry, public_metrics, served_model_name,
-                            stream_settings, to_chat_request, usage)
+from .openai_format import (ApiError, chunk, completion, finish_reason, logprobs_content, model_entry, public_metrics,
+                            served_model_name, stream_settings, to_chat_request, usage)
 
 log = logging.getLogger(__name__)
 POLL_S = 0.25  # how often a waiting handler checks that its client is still there
@@ -154,6 +154,7 @@ async def chat_completions(request: Request) -> Response:
         model = _check_model(engine, body)
         stream, include_usage = stream_settings(body)
         chat = to_chat_request(body, _allowed_hosts(), engine.config.max_image_bytes, 8192)
+        token_text = _token_text(engine, chat)
         try:
             handle = await anyio.to_thread.run_sync(engine.submit, chat)
         except VlscopeError as exc:
@@ -172,20 +173,22 @@ async def chat_completions(request: Request) -> Response:
             except VlscopeError as exc:
                 raise _engine_error(exc) from None
             watch.active = False
-            return StreamingResponse(_sse(handle, early, events, model, include_usage),
+            return StreamingResponse(_sse(handle, early, events, model, include_usage, token_text),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        parts, metrics = [], None
+        parts, metrics, logprobs = [], None, []
         try:
             async for event in _events(handle, request):
                 if isinstance(event, TextChunk):
                     parts.append(event.text)
+                    logprobs += event.logprobs
                 elif isinstance(event, RequestMetrics):
                     metrics = event
         except VlscopeError as exc:
             raise _engine_error(exc) from None
         if metrics is None:  # the client went away; nobody reads this
             return Response(status_code=499)
-        return JSONResponse(completion(model, "".join(parts), metrics))
+        return JSONResponse(completion(model, "".join(parts), metrics,
+                                       logprobs_content(logprobs, token_text) if token_text else None))
     except ApiError as error:
         return error_response(error)
 
@@ -197,7 +200,18 @@ async def _chain(first: list, rest):
         yield item
 
 
-async def _sse(handle, early: list, events, model: str, include_usage: bool):
+def _token_text(engine, chat):
+    """How a token id reads, for logprobs; None when the request asked for none. A remote engine cannot give them."""
+    if chat.top_logprobs is None:
+        return None
+    loaded = getattr(engine, "loaded", None)
+    if loaded is None:
+        raise ApiError(400, "logprobs are not available through a remote backend", code="unsupported_parameter",
+                       param="logprobs")
+    return lambda token: loaded.tokenizer.decode([token])
+
+
+async def _sse(handle, early: list, events, model: str, include_usage: bool, token_text=None):
     def event(data) -> str:
         return f"data: {json.dumps(data)}\n\n"
 
@@ -206,7 +220,8 @@ async def _sse(handle, early: list, events, model: str, include_usage: bool):
     try:
         async for item in _chain(early, events):
             if isinstance(item, TextChunk):
-                yield event(chunk(handle.id, model, created, {"content": item.text}))
+                yield event(chunk(handle.id, model, created, {"content": item.text},
+                                  logprobs=logprobs_content(item.logprobs, token_text) if token_text else None))
             elif isinstance(item, RequestMetrics):
                 # vlscope's stage timings ride on the last choice chunk (clients ignore fields they do not know);
                 # usage comes only when asked, in a chunk of its own with no choices, as OpenAI sends it.

@@ -20,7 +20,7 @@ from PIL import Image
 
 from .config import EngineConfig
 from .errors import Busy, GenerationFailed, InsufficientMemory, InvalidImage, PromptTooLong, VlscopeError
-from .generate import decode_n_tokens, encode_images, prefill, sample
+from .generate import Sampler, decode_n_tokens, encode_images, prefill
 from .images import enhance_for_ocr, fit_to_budget, load_request_images, vision_token_count
 from .memory import available_bytes, estimate_request_bytes
 from .metrics import RequestMetrics, RssSampler, request_record
@@ -68,6 +68,41 @@ class Detokenizer:
         if text.endswith("\ufffd"):
             return ""
         new, self.text = text[len(self.text):], text
+        return new
+
+
+class StopStrings:
+    """Cuts an answer before the first of its stop strings. Text that might be the start of one is held back until
+    the next tokens tell, so a stop string split across tokens never reaches the client."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops = tuple(stop for stop in stops if stop)
+        self.sent = 0  # characters of the answer released so far
+        self.hit = False
+
+    def release(self, text: str) -> str:
+        """Given the whole answer so far, the part that may be shown now."""
+        if self.hit:
+            return ""
+        if not self.stops:
+            return self._advance(text, len(text))
+        start = max(0, self.sent - max(len(stop) for stop in self.stops) + 1)
+        found = [index for index in (text.find(stop, start) for stop in self.stops) if index >= 0]
+        if found:
+            self.hit = True
+            return self._advance(text, min(found))
+        held = 0
+        for stop in self.stops:
+            held = max(held, next((k for k in range(min(len(stop) - 1, len(text)), 0, -1)
+                                   if text.endswith(stop[:k])), 0))
+        return self._advance(text, max(self.sent, len(text) - held))
+
+    def flush(self, text: str) -> str:
+        """At the end of the answer: whatever was held back (none of it became a stop string)."""
+        return "" if self.hit else self._advance(text, len(text))
+
+    def _advance(self, text: str, until: int) -> str:
+        new, self.sent = text[self.sent:until], until
         return new
 
 
@@ -265,42 +300,55 @@ class Engine(StreamingMixin):
             return "cancelled"
 
         emit(StageStarted("prefill"))
-        sampling = (
-            config.temperature if request.temperature is None else request.temperature,
-            config.top_p if request.top_p is None else request.top_p,
-            self._generator,
+        sampler = Sampler(
+            temperature=config.temperature if request.temperature is None else request.temperature,
+            top_p=config.top_p if request.top_p is None else request.top_p,
+            generator=self._generator if request.seed is None else torch.Generator().manual_seed(request.seed),
+            presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
+            logit_bias=request.logit_bias, top_logprobs=request.top_logprobs,
         )
         with job.clock.stage("prefill"):
             logits, state = prefill(model, prompt, vision, all_grids, config.kv_cache,
                                     cache=reused.cache if reused else None, start=start)
-            token = sample(logits, *sampling)
-        status = self._decode(job, state, token, sampling, max_new_tokens, facts)
+            token = sampler(logits)
+        status = self._decode(job, state, token, sampler, max_new_tokens, facts)
         if state.cache is not None:  # prompt and answer so far: the start of this conversation's next turn
             self._prefix_cache.put(CachedSequence(state.tokens, state.cache, keys, spans))
         return status
 
-    def _decode(self, job: Job, state, token: int, sampling, max_new_tokens: int, facts: dict) -> str:
+    def _decode(self, job: Job, state, token: int, sampler: Sampler, max_new_tokens: int, facts: dict) -> str:
         loaded, emit, model = self.loaded, job.events.put, self.loaded.model
 
         detokenizer = Detokenizer(loaded.tokenizer)
+        stops = StopStrings(job.request.stop)
         stop_ids = set() if job.request.ignore_eos else set(loaded.eos_token_ids)
         latencies: list[float] = []
         output_tokens = 0
+        shown_logprobs = 0  # sampler.logprobs already attached to a chunk
 
-        def take(token: int) -> None:
+        def show(text: str) -> None:
+            nonlocal shown_logprobs
+            logprobs = tuple(sampler.logprobs[shown_logprobs:output_tokens])
+            if text or logprobs:
+                shown_logprobs += len(logprobs)
+                emit(TextChunk(text, logprobs))
+
+        def take(token: int) -> bool:
+            """Count and show one answer token; True once a stop string has ended the answer."""
             nonlocal output_tokens
             output_tokens += 1
             with job.clock.stage("detokenize"):
-                text = detokenizer.push(token)
+                detokenizer.push(token)
+                text = stops.release(detokenizer.text)
             if "ttft_s" not in facts:
                 facts["ttft_s"] = time.perf_counter() - job.submitted_perf
-            if text:
-                emit(TextChunk(text))
+            show(text)
+            return stops.hit
 
-        if token not in stop_ids:
-            take(token)
+        ended = token in stop_ids
+        if not ended and not take(token):
             emit(StageStarted("decode"))
-            steps = decode_n_tokens(model, state, token, max_new_tokens - 1, sampling, stop_ids, job.cancelled.is_set)
+            steps = decode_n_tokens(model, state, token, max_new_tokens - 1, sampler, stop_ids, job.cancelled.is_set)
             while True:
                 started = time.perf_counter()
                 token = next(steps, None)
@@ -310,19 +358,23 @@ class Engine(StreamingMixin):
                 latencies.append(step)
                 job.clock.add("decode", step)
                 if token in stop_ids:
+                    ended = True
                     break
-                take(token)
-        else:
-            facts["ttft_s"] = time.perf_counter() - job.submitted_perf
+                if take(token):
+                    break
+        facts.setdefault("ttft_s", time.perf_counter() - job.submitted_perf)
+        show(stops.flush(detokenizer.text))
 
         decode_seconds = sum(latencies)
+        cancelled = job.cancelled.is_set()
         facts.update(
             output_tokens=output_tokens,
             token_latencies_s=tuple(latencies),
             decode_tokens_per_s=(len(latencies) / decode_seconds) if decode_seconds > 0 else None,
-            answer=detokenizer.text,
+            answer=detokenizer.text[:stops.sent],
+            finish_reason=None if cancelled else "stop" if ended or stops.hit else "length",
         )
-        return "cancelled" if job.cancelled.is_set() else "ok"
+        return "cancelled" if cancelled else "ok"
 
     def _check_length(self, prompt_tokens: int, max_new_tokens: int) -> None:
         if prompt_tokens > self.config.max_input_tokens:

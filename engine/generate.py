@@ -130,12 +130,55 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: to
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def decode_n_tokens(model, state: DecodeState, first_token: int, count: int, sampling, stop_ids, should_stop):
-    """Yield up to `count` tokens after first_token, one decode step each; stops on an end token or should_stop()."""
+@dataclass
+class TokenLogprob:
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # the most likely tokens at this step and their log probabilities
+
+
+@dataclass
+class Sampler:
+    """One request's choice of the next token: logit bias, presence and frequency penalties over the tokens it has
+    generated, then greedy or temperature/top-p `sample`. With `top_logprobs` set (0 to 20) it also keeps each
+    chosen token's log probability and the most likely alternatives, from the logits it chose on."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    generator: torch.Generator = field(default_factory=torch.Generator)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    top_logprobs: int | None = None
+    counts: dict[int, int] = field(default_factory=dict)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        logits = torch.nan_to_num(logits[0].float(), nan=-1e9, posinf=1e9, neginf=-1e9)
+        if self.logit_bias:
+            ids, values = zip(*self.logit_bias)
+            logits[list(ids)] += torch.tensor(values)
+        if self.counts and (self.presence_penalty or self.frequency_penalty):
+            ids = torch.tensor(list(self.counts))
+            seen = torch.tensor(list(self.counts.values()), dtype=torch.float32)
+            logits[ids] -= self.presence_penalty + self.frequency_penalty * seen
+        token = sample(logits[None], self.temperature, self.top_p, self.generator)
+        if self.top_logprobs is not None:
+            log_probs = torch.log_softmax(logits, dim=-1)
+            top = torch.topk(log_probs, self.top_logprobs) if self.top_logprobs else None
+            self.logprobs.append(TokenLogprob(token, float(log_probs[token]), tuple(
+                zip(top.indices.tolist(), top.values.tolist())) if top is not None else ()))
+        self.counts[token] = self.counts.get(token, 0) + 1
+        return token
+
+
+def decode_n_tokens(model, state: DecodeState, first_token: int, count: int, pick, stop_ids, should_stop):
+    """Yield up to `count` tokens after first_token, one decode step each, chosen by `pick(logits)` (a Sampler);
+    stops on an end token or should_stop()."""
     token = first_token
     for _ in range(count):
         if token in stop_ids or should_stop():
             return
         logits = decode_one_token(model, state, token)
-        token = sample(logits, *sampling)
+        token = pick(logits)
         yield token

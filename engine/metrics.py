@@ -49,6 +49,7 @@ class RequestMetrics:
     token_latencies_s: tuple[float, ...] = ()  # every decode step after the first token
     ttft_s: float | None = None  # submission to first token text
     decode_tokens_per_s: float | None = None
+    finish_reason: str | None = None  # stop (an end token or stop string) or length (max_new_tokens reached)
     e2e_s: float = 0.0
     # memory, bytes
     rss_before_bytes: int = 0

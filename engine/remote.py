@@ -99,7 +99,16 @@ class RemoteEngine(StreamingMixin):
                 "stream_options": {"include_usage": True},
                 "max_tokens": request.max_new_tokens or self.config.max_new_tokens}
         if request.ignore_eos:
-            body["ignore_eos"] = True  # understood by vLLM and vlscope
+            body["ignore_eos"] = True  # understood by vLLM, llama.cpp and vlscope
+        if request.stop:
+            body["stop"] = list(request.stop)
+        if request.seed is not None:
+            body["seed"] = request.seed
+        if request.logit_bias:
+            body["logit_bias"] = {str(token): bias for token, bias in request.logit_bias}
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(request, name):
+                body[name] = getattr(request, name)
         for name in ("temperature", "top_p"):
             value = getattr(request, name)
             body[name] = value if value is not None else getattr(self.config, name)

@@ -31,6 +31,12 @@ class ChatRequest:
     warmup: bool = False
     reuse_cache: bool = True  # False: start cold, as a new conversation would (benchmarks)
     ignore_eos: bool = False  # True: always generate max_new_tokens (benchmarks compare equal lengths)
+    stop: tuple[str, ...] = ()  # the answer ends before the first of these strings, which is not included
+    seed: int | None = None  # same seed and settings: the same sampled answer
+    presence_penalty: float = 0.0  # subtracted from the logit of every token already in the answer
+    frequency_penalty: float = 0.0  # times how often it is in the answer
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    top_logprobs: int | None = None  # None: no log probabilities; 0-20: the chosen token's and that many others'
 
     def __post_init__(self) -> None:
         for turn in self.history:
@@ -55,3 +61,4 @@ class StageStarted:
 @dataclass(frozen=True)
 class TextChunk:
     text: str
+    logprobs: tuple = ()  # TokenLogprob of the tokens behind this text, when the request asked for them

@@ -139,6 +139,41 @@ def test_openai_client_conventions(server, images_dir):
         assert response.status_code == status and "error" in response.json(), (method, path, response.text[:200])
 
 
+def test_stop_seed_logprobs_penalties_and_bias_through_the_openai_client(server):
+    url, _ = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    model = client.models.list().data[0].id
+    base = dict(model=model, messages=[{"role": "user", "content": "Tell me about it"}], max_tokens=10,
+                extra_body={"ignore_eos": True})
+    plain = client.chat.completions.create(**base).choices[0].message.content
+    stop = plain[len(plain) // 2 - 2: len(plain) // 2 + 2]
+    answer = client.chat.completions.create(**base, stop=[stop, "never there"]).choices[0]
+    assert answer.message.content == plain[:plain.index(stop)] and answer.finish_reason == "stop"
+    chunks = list(client.chat.completions.create(**base, stop=stop, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == plain[:plain.index(stop)]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+    sampled = [client.chat.completions.create(**base, temperature=1.5, seed=11).choices[0].message.content
+               for _ in range(2)]
+    assert sampled[0] == sampled[1] != plain
+
+    choice = client.chat.completions.create(**base, logprobs=True, top_logprobs=2).choices[0]
+    content = choice.logprobs.content
+    assert len(content) == 10 and "".join(t.token for t in content) == choice.message.content
+    assert all(t.logprob <= 0 and len(t.top_logprobs) == 2 for t in content)
+    streamed = [c for c in client.chat.completions.create(**base, logprobs=True, stream=True) if c.choices]
+    assert sum(len(c.choices[0].logprobs.content) for c in streamed if c.choices[0].logprobs) == 10
+
+    assert client.chat.completions.create(**base, logit_bias={"1234": 100}).choices[0].message.content != plain
+    assert client.chat.completions.create(**base, presence_penalty=2, frequency_penalty=2).choices[0].message.content \
+        != plain
+    for extra, param in (({"stop": ["a", "b", "c", "d", "e"]}, "stop"), ({"logit_bias": {"x": 1}}, "logit_bias"),
+                         ({"top_logprobs": 3}, "top_logprobs"), ({"presence_penalty": 3}, "presence_penalty")):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(**base, **extra)
+        assert caught.value.body["param"] == param
+
+
 def test_bad_inputs_get_openai_errors(server, images_dir):
     url, _ = server
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)

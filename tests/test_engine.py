@@ -9,13 +9,12 @@ import torch
 
 from engine import (Busy, ChatRequest, Engine, EngineConfig, InvalidImage, MetricsStore, ModelUnavailable,
                     PromptTooLong, Queued, RequestMetrics, StageStarted, TextChunk, Turn)
-from engine.generate import decode_n_tokens, encode_images, prefill, sample
+from engine.generate import Sampler, decode_n_tokens, encode_images, prefill
 from engine.images import fit_to_budget, load_image
 from engine.model_loading import load_model
 from engine.preprocess import chat_messages, patchify_images, tokenize_prompt
 from engine.quantize import Bf16Embedding, Bf16Linear, Int8Linear, PackedLinear
 
-GREEDY = (0.0, 1.0, None)
 
 
 def collect(engine: Engine, request: ChatRequest) -> tuple[str, list, RequestMetrics]:
@@ -37,8 +36,8 @@ def test_stage_loop_matches_transformers_generate(tiny_model, images_dir, kv_cac
     with torch.inference_mode():
         vision = encode_images(loaded.model, patches)
         logits, state = prefill(loaded.model, prompt, vision, patches.image_grid_thw, kv_cache)
-        first = sample(logits, *GREEDY)
-        ours = [first] + list(decode_n_tokens(loaded.model, state, first, 11, GREEDY, set(), lambda: False))
+        first = Sampler()(logits)
+        ours = [first] + list(decode_n_tokens(loaded.model, state, first, 11, Sampler(), set(), lambda: False))
         reference = loaded.model.generate(
             input_ids=prompt.input_ids, attention_mask=torch.ones_like(prompt.input_ids),
             mm_token_type_ids=prompt.mm_token_type_ids, pixel_values=patches.pixel_values,
@@ -380,3 +379,37 @@ def test_interleaved_conversations_each_find_their_own_prefix(engine, images_dir
         Turn("user", "Describe", coffee.images), Turn("assistant", coffee_answer.text))))
     assert "vision_encode" not in follow_up.metrics.stages
     assert follow_up.metrics.cached_prompt_tokens >= coffee_answer.metrics.prompt_tokens
+
+
+def test_sampling_options_stop_seed_logprobs_penalties_and_bias(engine, images_dir):
+    """The options the API takes, in the engine, on the tiny model (its answers are noise, so each check compares
+    the engine against itself)."""
+    base = dict(prompt="Describe", images=(images_dir / "chelsea.png",), max_new_tokens=12, ignore_eos=True)
+    plain = engine.ask(ChatRequest(**base))
+    assert plain.metrics.finish_reason == "length"
+    # a stop string spanning a token boundary: the answer ends before it, and it is never shown
+    text = plain.text
+    stop = text[len(text) // 2 - 2: len(text) // 2 + 2]
+    events = list(engine.stream(ChatRequest(**base, stop=("never there", stop))))
+    shown = "".join(e.text for e in events if isinstance(e, TextChunk))
+    metrics = events[-1]
+    assert shown == text[:text.index(stop)] and metrics.finish_reason == "stop"
+    assert metrics.output_tokens < 12
+    # same seed and settings: same sampled answer; the greedy default is not what sampling gives
+    sampled = dict(base, temperature=1.5, top_p=1.0)
+    first, second = (engine.ask(ChatRequest(**sampled, seed=7)).text for _ in range(2))
+    assert first == second and first != plain.text
+    # logprobs: one entry per answer token, the greedy choice the most likely, log probabilities <= 0
+    chunks = [e for e in engine.stream(ChatRequest(**base, top_logprobs=3)) if isinstance(e, TextChunk)]
+    entries = [entry for c in chunks for entry in c.logprobs]
+    assert len(entries) == 12 and "".join(c.text for c in chunks) == plain.text
+    for entry in entries:
+        # the greedy choice is the most likely (the tiny model has ties, so compare probabilities)
+        assert entry.logprob <= 0 and len(entry.top) == 3 and entry.top[0][1] == entry.logprob
+        assert [lp for _, lp in entry.top] == sorted((lp for _, lp in entry.top), reverse=True)
+    # logit bias forces a token; penalties change a repetitive answer
+    forced = engine.ask(ChatRequest(**base, logit_bias=((1234, 100.0),)))
+    assert engine.loaded.tokenizer.encode(forced.text) == [1234] * 12 or forced.text == \
+        engine.loaded.tokenizer.decode([1234] * 12)
+    penalised = engine.ask(ChatRequest(**base, presence_penalty=2.0, frequency_penalty=2.0))
+    assert penalised.text != plain.text
