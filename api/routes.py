@@ -50,7 +50,8 @@ def _check_key(request: Request) -> None:
         return
     header = request.headers.get("authorization", "")
     token = header[7:] if header.lower().startswith("bearer ") else ""
-    if not any(hmac.compare_digest(token, key) for key in keys):
+    # Compared as bytes: compare_digest refuses non-ASCII str, and a key is never a reason for a 500.
+    if not any(hmac.compare_digest(token.encode("utf-8", "surrogateescape"), key.encode()) for key in keys):
         raise ApiError(401, "a valid API key is required (Authorization: Bearer <key>)", "authentication_error",
                        "invalid_api_key")
 
@@ -95,6 +96,8 @@ async def _read_json(request: Request) -> dict:
         return json.loads(body)
     except (ValueError, UnicodeDecodeError):
         raise ApiError(400, "the request body is not valid JSON") from None
+    except RecursionError:  # JSON nested thousands of levels deep
+        raise ApiError(400, "the request body is nested too deeply") from None
 
 
 class ClientWatch:

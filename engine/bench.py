@@ -578,6 +578,19 @@ def markdown_report(document: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def cases_table(document: dict) -> list[dict]:
+    """One row per case with the figures people compare, narrow enough for a page (the markdown has them all)."""
+    rows = []
+    for entry in document["cases"]:
+        case, s = entry["case"], entry["summary"]
+        fraction = s.get("decode_fraction_of_bandwidth_ceiling")
+        rows.append({"case": case["name"], "precision": _precision(case["dtype"], s.get("compute_dtype")),
+                     "TTFT s": _median(s, "ttft_s"), "decode tok/s": _median(s, "decode_tokens_per_s"),
+                     "% of read ceiling": round(fraction * 100) if fraction else None,
+                     "end to end s": _median(s, "e2e_s"), "peak RSS GB": round(s["rss_peak_bytes"] / 1e9, 1)})
+    return rows
+
+
 def html_report(document: dict, path: Path) -> None:
     path.write_text(report_figure(document).to_html(include_plotlyjs=True, full_html=True))
 
@@ -596,6 +609,9 @@ def report_figure(document: dict):
                                                for c in cases], row=1, col=1)
     figure.add_bar(name="decode tok/s", x=names, y=[_median(c["summary"], "decode_tokens_per_s") for c in cases],
                    row=1, col=2, showlegend=False)
+    figure.add_scatter(name="memory-read ceiling", x=names, y=[c["summary"].get("decode_ceiling_tokens_per_s")
+                                                               for c in cases],
+                       mode="markers", marker=dict(symbol="line-ew-open", size=28, color="#e15759"), row=1, col=2)
     figure.add_bar(name="TTFT", x=names, y=[_median(c["summary"], "ttft_s") for c in cases], row=2, col=1,
                    showlegend=False)
     figure.add_bar(name="peak RSS", x=names, y=[c["summary"]["rss_peak_bytes"] / 1e9 for c in cases], row=2, col=2,

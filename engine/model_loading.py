@@ -20,6 +20,7 @@ from urllib.parse import urlparse
 import torch
 from torch import nn
 
+from . import attention
 from .advisor import bfloat16_matmul_is_faster
 from .config import EngineConfig
 from .errors import ModelUnavailable
@@ -194,6 +195,7 @@ def load_model(config: EngineConfig, progress: ProgressCallback | None = None) -
     report = progress or (lambda fraction, message: None)
     started = time.perf_counter()
     torch.set_num_threads(config.threads)
+    attention.install()
     source = config.model
     folder = Path(source).expanduser()
     is_folder = folder.is_dir()

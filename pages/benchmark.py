@@ -5,7 +5,8 @@ import json
 import streamlit as st
 
 from engine.advisor import advise
-from engine.bench import default_images_dir, markdown_report, reference_result, report_figure, sweep_on_engine
+from engine.bench import (cases_table, default_images_dir, markdown_report, reference_result, report_figure,
+                          sweep_on_engine)
 from engine.config import PROJECT_DIR
 from ui.engine_resource import get_engine
 
@@ -39,8 +40,10 @@ with right:
 
 
 def show(document: dict, key: str) -> None:
-    st.markdown(markdown_report(document))
     st.plotly_chart(report_figure(document), key=key)
+    st.dataframe(cases_table(document), hide_index=True, key=f"{key}_table")
+    with st.expander("Full report: every column, drift, precision advice"):
+        st.markdown(markdown_report(document))
     st.download_button("Download JSON", json.dumps(document, indent=1, default=str), file_name="bench.json",
                        mime="application/json", key=f"{key}_json")
 

@@ -65,6 +65,10 @@ for name, data in picked:
         sample_column.image(image, width=120, caption=name)
 
 for turn in turns:
+    if turn.request_id and not turn.stats:  # stopped: the worker has written its record since
+        record = engine.store.get(turn.request_id)
+        if record is not None and record.status != "running":
+            turn.stats = stats_line(record)
     with st.chat_message(turn.role):
         for name, data in turn.images:
             st.image(preview(data), caption=name, width=280)
@@ -139,6 +143,7 @@ if prompt:
                 handle.cancel()
             if not answer.text and not answer.error:
                 answer.text = "".join(partial) + " _(stopped)_"
+                answer.request_id = handle.id if handle is not None else None
             turns.append(answer)
 
 if turns:

@@ -192,8 +192,9 @@ def test_bad_inputs_get_openai_errors(server, images_dir):
         with pytest.raises(openai.BadRequestError) as caught:
             client.chat.completions.create(model=client.models.list().data[0].id, messages=messages)
         assert expected in caught.value.message, (expected, caught.value.message)
-    response = httpx.post(f"{url}/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
-    assert response.status_code == 400 and response.json()["error"]["type"] == "invalid_request_error"
+    for body in (b"{not json", b"[" * 100_000 + b"]" * 100_000):
+        response = httpx.post(f"{url}/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+        assert response.status_code == 400 and response.json()["error"]["type"] == "invalid_request_error"
 
 
 def test_api_keys_body_limit_and_busy_queue(tiny_model, images_dir, tmp_path):
@@ -202,6 +203,8 @@ def test_api_keys_body_limit_and_busy_queue(tiny_model, images_dir, tmp_path):
     try:
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
+        response = httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer schl\u00fcssel".encode()})
+        assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="k2", max_retries=0)
         assert client.chat.completions.create(model=client.models.list().data[0].id, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
         with pytest.raises(openai.APIStatusError) as caught:

@@ -413,3 +413,27 @@ def test_sampling_options_stop_seed_logprobs_penalties_and_bias(engine, images_d
         engine.loaded.tokenizer.decode([1234] * 12)
     penalised = engine.ask(ChatRequest(**base, presence_penalty=2.0, frequency_penalty=2.0))
     assert penalised.text != plain.text
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_single_query_attention_matches_sdpa(dtype):
+    """The decode step's attention (grouped-query, with and without a mask) against transformers' sdpa path."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from engine.attention import single_query_attention
+
+    class Layer:
+        num_key_value_groups, is_causal = 2, True
+
+    torch.manual_seed(0)
+    query, key, value = torch.randn(1, 16, 1, 128), torch.randn(1, 8, 250, 128), torch.randn(1, 8, 250, 128)
+    query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+    mask = torch.ones(1, 1, 1, 250, dtype=torch.bool)
+    mask[..., 200:] = False
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    with torch.inference_mode():
+        for attention_mask in (None, mask):
+            expected, _ = sdpa_attention_forward(Layer(), query, key, value, attention_mask, scaling=128 ** -0.5)
+            got = single_query_attention(query, key, value, attention_mask, 128 ** -0.5, groups=2)
+            assert got.shape == expected.shape == (1, 1, 16, 128)
+            assert torch.allclose(got.float(), expected.float(), atol=tolerance)

@@ -22,6 +22,7 @@ class ChatTurn:
     images: list[tuple[str, bytes]] = field(default_factory=list)  # (name, file bytes)
     stats: str | None = None
     error: bool = False
+    request_id: str | None = None  # a stopped answer's request: its stats line comes from its record once written
 
 
 def image_digest(images: list[tuple[str, bytes]]) -> str:

@@ -16,12 +16,13 @@ def render_status(loaded: LoadedEngine | None) -> None:
             st.caption("No model loaded.")
             return
         engine, info = loaded.engine, loaded.engine.info
-        if loaded.fallback_reason:
-            st.warning(f"Running the synthetic skeleton instead of {engine.config.model!r}. "
-                       f"{loaded.fallback_reason}", icon=":material/warning:")
         if info.synthetic:
-            st.warning("Synthetic weights: answers are noise; latency and memory are the real model's.",
+            st.warning("Synthetic weights: answers are noise, latency and memory are real.",
                        icon=":material/science:")
+        if loaded.fallback_reason:
+            with st.expander("Why, and how to load the real model"):
+                st.caption(f"The configured model {engine.config.model!r} could not be loaded, so the synthetic "
+                           f"skeleton stands in. {loaded.fallback_reason}")
         st.markdown(f"**Model** `{info.model}`")
         left, right = st.columns(2)
         left.metric("dtype", info.dtype, help=f"Weights in {info.dtype}; activations, attention and the KV cache "
