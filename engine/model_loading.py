@@ -24,6 +24,7 @@ from . import attention
 from .advisor import bfloat16_matmul_is_faster
 from .config import EngineConfig
 from .errors import ModelUnavailable
+from .memory import release_freed_memory
 from .quantize import (LINEAR_KINDS, compute_in_float32_, linear_weight_bytes, pack_linears_, packing_works,
                        quantize_int8_)
 
@@ -244,6 +245,7 @@ def load_model(config: EngineConfig, progress: ProgressCallback | None = None) -
             pack_linears_(model, wide)
         else:
             log.warning("oneDNN's packed Linear is not available or disagrees here: plain kernels")
+    release_freed_memory()
     report(0.95, "Model ready")
     return LoadedModel(
         model=model,
