@@ -550,7 +550,7 @@ def markdown_report(document: dict) -> str:
             f"{s.get('repetitions', document['repeats'])} | {s['vision_tokens']} | {_fmt(s.get('load_s'), 1)} | {_fmt(_median(s, 'ttft_s'))} | "
             f"{_fmt(_median(s, 'follow_up_ttft_s'))} | {_fmt(_median(s, 'decode_tokens_per_s'))} | "
             f"{_fmt(fraction * 100 if fraction else None, 0)} | {_fmt(compute * 100 if compute else None, 0)} | "
-            f"{_fmt(_median(s, 'e2e_s'), 1)} | {s['rss_peak_bytes'] / 1e9:.1f} |"
+            f"{_fmt(_median(s, 'e2e_s'), 1)} | {_fmt(None if case['dtype'] == 'remote' else s['rss_peak_bytes'] / 1e9, 1)} |"
         )
     against = document.get("against")
     if against:
