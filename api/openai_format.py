@@ -220,11 +220,17 @@ def usage(metrics: RequestMetrics) -> dict:
             "total_tokens": metrics.prompt_tokens + metrics.output_tokens}
 
 
+# What a record holds that a client has no use for and an attacker would: the server's process id, its memory,
+# the model's path on disk, and the stored prompt and answer.
+PRIVATE_FIELDS = ("prompt", "answer", "pid", "model", "rss_before_bytes", "rss_peak_bytes", "rss_after_bytes",
+                  "weight_bytes", "decode_weight_bytes")
+
+
 def public_metrics(metrics: RequestMetrics) -> dict:
-    """The stage timings a client may see: no prompt or answer text, which the record may hold."""
+    """The stage timings, token counts and settings a client may see."""
     record = metrics.to_dict()
-    record.pop("prompt", None)
-    record.pop("answer", None)
+    for name in PRIVATE_FIELDS:
+        record.pop(name, None)
     return record
 
 

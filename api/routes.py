@@ -275,19 +275,36 @@ async def method_not_allowed(request: Request) -> Response:
                                    code="method_not_allowed"))
 
 
+def _authorized(request: Request) -> bool:
+    try:
+        _check_key(request)
+        return True
+    except ApiError:
+        return False
+
+
 async def health(request: Request) -> Response:
+    """Liveness for anyone; with API keys set, the details (model, queue, load error) only for a valid key."""
     slot = engine_slot()
+    details = _authorized(request)
     if slot.ready:
         engine = slot.loaded.engine
-        return JSONResponse({"status": "ready", "model": engine.info.model, "synthetic": engine.info.synthetic,
-                             "dtype": engine.info.dtype, "queue_depth": engine.queue_depth})
+        body = {"status": "ready", "model": served_name(engine), "synthetic": engine.info.synthetic,
+                "dtype": engine.info.dtype, "queue_depth": engine.queue_depth}
+        return JSONResponse(body if details else {"status": "ready"})
     if slot.error is not None:
-        return JSONResponse({"status": "error", "error": slot.error, "queue_depth": 0}, status_code=503)
+        body = {"status": "error", "error": slot.error, "queue_depth": 0}
+        return JSONResponse(body if details else {"status": "error"}, status_code=503)
     _start_loading()
-    return JSONResponse({"status": "loading", "queue_depth": 0}, status_code=503)
+    return JSONResponse({"status": "loading", "queue_depth": 0} if details else {"status": "loading"},
+                        status_code=503)
 
 
 async def metrics(request: Request) -> Response:
+    try:
+        _check_key(request)
+    except ApiError as error:
+        return error_response(error)
     slot = engine_slot()
     engine = slot.loaded.engine if slot.ready else None
     text = await anyio.to_thread.run_sync(lambda: prometheus.render(

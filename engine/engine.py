@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import time
 import uuid
@@ -430,10 +431,12 @@ class Engine(StreamingMixin):
     def _save_images(self, job: Job) -> None:
         folder = Path(self.config.db_path).parent / "images"
         try:
-            folder.mkdir(parents=True, exist_ok=True)
+            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+            folder.chmod(0o700)  # owner-only, like the database: these are users' pictures
             for image in job.images:
                 target = folder / f"{image.sha256}.png"
                 if not target.exists():
-                    image.image.save(target)
+                    with os.fdopen(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as file:
+                        image.image.save(file, format="PNG")
         except OSError as exc:
             log.error("could not save request images: %s", exc)

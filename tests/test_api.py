@@ -64,6 +64,7 @@ def test_non_streaming_and_streaming_answers(server, images_dir):
     metrics = answer.model_extra["metrics"]
     assert metrics["vision_tokens"] > 0 and metrics["stages"]["vision_encode"] > 0 and metrics["source"] == "api"
     assert "prompt" not in metrics and "answer" not in metrics
+    assert not {"pid", "model", "rss_peak_bytes", "weight_bytes"} & set(metrics)  # nothing only an attacker needs
 
     stream = client.chat.completions.create(model=client.models.list().data[0].id, messages=image_message(images_dir), max_tokens=8,
                                             stream=True)
@@ -205,6 +206,11 @@ def test_api_keys_body_limit_and_busy_queue(tiny_model, images_dir, tmp_path):
             openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
         response = httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer schl\u00fcssel".encode()})
         assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
+        # with keys set, /metrics needs one and /health says only whether the server is up
+        assert httpx.get(f"{url}/metrics").status_code == 401
+        assert httpx.get(f"{url}/metrics", headers={"Authorization": "Bearer k1"}).status_code == 200
+        assert httpx.get(f"{url}/health").json() == {"status": "ready"}
+        assert "queue_depth" in httpx.get(f"{url}/health", headers={"Authorization": "Bearer k1"}).json()
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="k2", max_retries=0)
         assert client.chat.completions.create(model=client.models.list().data[0].id, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
         with pytest.raises(openai.APIStatusError) as caught:

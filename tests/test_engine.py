@@ -437,3 +437,16 @@ def test_single_query_attention_matches_sdpa(dtype):
             got = single_query_attention(query, key, value, attention_mask, 128 ** -0.5, groups=2)
             assert got.shape == expected.shape == (1, 1, 16, 128)
             assert torch.allclose(got.float(), expected.float(), atol=tolerance)
+
+
+def test_stored_content_is_owner_only(make_engine, images_dir, tmp_path):
+    """With content storage on, saved pictures are as private as the database: 0600 files in a 0700 folder."""
+    import stat
+
+    engine = make_engine(store_content=True)
+    answer = engine.ask(ChatRequest(prompt="Describe", images=(images_dir / "chelsea.png",), max_new_tokens=2))
+    assert engine.store.get(answer.metrics.id).prompt == "Describe"
+    folder = tmp_path / "images"
+    saved = list(folder.iterdir())
+    assert len(saved) == 1 and stat.S_IMODE(folder.stat().st_mode) == 0o700
+    assert stat.S_IMODE(saved[0].stat().st_mode) == 0o600
