@@ -138,12 +138,16 @@ def served_name(engine) -> str:
                              engine.config.served_model_name)
 
 
+def _unknown_model(asked: str, name: str) -> ApiError:
+    return ApiError(404, f"The model {asked!r} does not exist; this server serves {name!r}.",
+                    code="model_not_found", param="model")
+
+
 def _check_model(engine, body: dict) -> str:
     name = served_name(engine)
     asked = body.get("model")
     if asked is not None and asked != name and not engine.config.api_any_model:
-        raise ApiError(404, f"The model {asked!r} does not exist; this server serves {name!r}.",
-                       code="model_not_found", param="model")
+        raise _unknown_model(asked, name)
     return name
 
 
@@ -258,8 +262,7 @@ async def model(request: Request) -> Response:
         _check_key(request)
         name, asked = _model_name(), request.path_params["model"]
         if asked != name:
-            raise ApiError(404, f"The model {asked!r} does not exist; this server serves {name!r}.",
-                           code="model_not_found", param="model")
+            raise _unknown_model(asked, name)
     except ApiError as error:
         return error_response(error)
     return JSONResponse(model_entry(name, STARTED))

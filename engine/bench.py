@@ -27,7 +27,7 @@ from .config import PROJECT_DIR, SKELETON_DIR, EngineConfig
 from .engine import Engine
 from .images import fit_to_budget
 from .metrics import RssSampler
-from .model_loading import decode_weight_bytes, has_weights, load_model
+from .model_loading import has_weights, load_model
 from .preprocess import single_image_inputs
 from .quantize import LINEAR_KINDS
 from .request import ChatRequest, Turn
@@ -119,16 +119,26 @@ def bench_image(size_name: str, images_dir: Path) -> Image.Image:
     return photo.resize(IMAGE_SIZES[size_name], Image.BICUBIC)
 
 
+def within_budget(run_once: Callable[[], None], repeats: int, budget_s: float | None) -> None:
+    """`repeats` calls of run_once; with a budget, another starts only if one more of the last's length still fits
+    in it (at least one always runs)."""
+    spent = last = 0.0
+    for repetition in range(repeats):
+        if repetition and budget_s is not None and spent + last > budget_s:
+            return
+        started = time.perf_counter()
+        run_once()
+        last = time.perf_counter() - started
+        spent += last
+
+
 def run_engine_case(engine: Engine, case: Case, image: Image.Image, repeats: int,
                     budget_s: float | None = None) -> list[dict]:
     """`repeats` measured runs of the case; with a budget, another run starts only if one more of the last's
     length still fits in it (at least one always runs)."""
     records = []
-    spent = last = 0.0
-    for repetition in range(repeats):
-        if repetition and budget_s is not None and spent + last > budget_s:
-            break
-        started = time.perf_counter()
+
+    def conversation() -> None:
         # One pixel differs per conversation: the picture's hash then differs too, so follow-ups can reuse
         # only their own conversation's cache, never a longer one an earlier repetition or case left.
         picture = image.copy()
@@ -146,8 +156,8 @@ def run_engine_case(engine: Engine, case: Case, image: Image.Image, repeats: int
             record["turn"] = turn + 1
             records.append(record)
             history += [Turn("user", prompt, images), Turn("assistant", answer.text)]
-        last = time.perf_counter() - started
-        spent += last
+
+    within_budget(conversation, repeats, budget_s)
     return records
 
 
@@ -157,15 +167,12 @@ def run_interleaved(engine: Engine, other, case: Case, image: Image.Image, repea
     machine whose speed drifts; returns each side's records."""
     ours: list[dict] = []
     theirs: list[dict] = []
-    spent = last = 0.0
-    for repetition in range(repeats):
-        if repetition and budget_s is not None and spent + last > budget_s:
-            break
-        started = time.perf_counter()
-        ours += run_engine_case(engine, case, image, 1)
-        theirs += run_engine_case(other, case, image, 1)
-        last = time.perf_counter() - started
-        spent += last
+
+    def pair() -> None:
+        ours.extend(run_engine_case(engine, case, image, 1))
+        theirs.extend(run_engine_case(other, case, image, 1))
+
+    within_budget(pair, repeats, budget_s)
     return ours, theirs
 
 
@@ -390,8 +397,8 @@ def _run_case(case: Case, model: str, images_dir: Path, threads: int, repeats: i
         config = EngineConfig(model=model, dtype=case.dtype, threads=threads, kv_cache=case.kv_cache,
                               db_path=db_path, max_queue=1)
         engines[case.engine_key()] = Engine(config)
-        loaded_model = engines[case.engine_key()].loaded.model
-        lm_facts[case.dtype] = (decode_weight_bytes(loaded_model), language_model_params(loaded_model))
+        loaded = engines[case.engine_key()].loaded
+        lm_facts[case.dtype] = (loaded.decode_weight_bytes, language_model_params(loaded.model))
     engine = engines[case.engine_key()]
     if remote is not None and case.group == "precision":
         ours, theirs = run_interleaved(engine, remote, case, image, repeats, budget_s)
