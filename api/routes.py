@@ -16,6 +16,7 @@ from starlette.routing import Route
 
 from engine import (Busy, InsufficientMemory, InvalidImage, PromptTooLong, RequestMetrics, StageStarted, TextChunk,
                     VlscopeError)
+from engine.trace import PREFILL, VISION_ENCODE
 from ui.engine_resource import engine_slot, ensure_loaded, get_store
 
 from . import prometheus
@@ -175,7 +176,7 @@ async def chat_completions(request: Request) -> Response:
                 async for event in events:
                     early.append(event)
                     if isinstance(event, (TextChunk, RequestMetrics)) or (
-                            isinstance(event, StageStarted) and event.name in ("vision_encode", "prefill")):
+                            isinstance(event, StageStarted) and event.name in (VISION_ENCODE, PREFILL)):
                         break
             except VlscopeError as exc:
                 raise _engine_error(exc) from None

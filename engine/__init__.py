@@ -3,13 +3,14 @@ from .config import DEFAULT_MODEL, DTYPES, SKELETON_DIR, EngineConfig
 from .engine import Answer, Engine, EngineInfo, RequestHandle
 from .errors import (Busy, GenerationFailed, InsufficientMemory, InvalidImage, ModelUnavailable, PromptTooLong,
                      VlscopeError)
-from .metrics import STAGES, RequestMetrics
+from .metrics import RequestMetrics
+from .trace import STAGES, STATUSES
 from .request import ChatRequest, Queued, StageStarted, TextChunk, Turn
 from .store import MetricsStore, stage_percentiles, to_csv
 
 __all__ = [
     "Answer", "Busy", "ChatRequest", "DEFAULT_MODEL", "DTYPES", "Engine", "EngineConfig", "EngineInfo",
     "GenerationFailed", "InsufficientMemory", "InvalidImage", "MetricsStore", "ModelUnavailable", "PromptTooLong", "Queued",
-    "RequestHandle", "RequestMetrics", "SKELETON_DIR", "STAGES", "StageStarted", "TextChunk", "Turn",
+    "RequestHandle", "RequestMetrics", "SKELETON_DIR", "STAGES", "STATUSES", "StageStarted", "TextChunk", "Turn",
     "VlscopeError", "stage_percentiles", "to_csv",
 ]

@@ -7,12 +7,10 @@
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import time
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterator, Union
 
 import psutil
@@ -24,12 +22,14 @@ from .errors import Busy, GenerationFailed, InsufficientMemory, InvalidImage, Pr
 from .generate import Sampler, decode_n_tokens, encode_images, prefill
 from .images import enhance_for_ocr, fit_to_budget, load_request_images, vision_token_count
 from .memory import available_bytes, estimate_request_bytes
-from .metrics import RequestMetrics, RssSampler, request_record
+from .metrics import RequestMetrics, RssSampler
 from .model_loading import LoadedModel, ProgressCallback, load_model
 from .prefix_cache import CachedSequence, PrefixCache, image_spans
 from .preprocess import chat_messages, image_grids, patchify_images, tokenize_prompt
 from .request import ChatRequest, Queued, StageStarted, TextChunk
 from .scheduler import Job, RequestQueue
+from .trace import (CANCELLED, DECODE, DETOKENIZE, ERROR, LOAD_IMAGES, OCR_ENHANCE, OK, PREFILL, PREPROCESS, REFUSED,
+                    VISION_ENCODE, RequestTrace)
 from .store import MetricsStore
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,9 @@ class EngineInfo:
     weight_bytes: int
     load_seconds: float
     context_length: int
-    compute_dtype: str = "float32"  # what activations and the KV cache are in (bfloat16 and int8 weights vary)
+    compute_dtype: str | None = "float32"  # activations and KV cache (bfloat16 and int8 weights vary); None: unknown
+    kv_cache: bool = True
+    decode_weight_bytes: int = 0  # weights one decode step reads (language model and head); 0 when unknown
 
 
 class Detokenizer:
@@ -181,6 +183,8 @@ class Engine(StreamingMixin):
             load_seconds=self.loaded.load_seconds,
             context_length=int(text_config.max_position_embeddings),
             compute_dtype=self.loaded.compute_dtype,
+            kv_cache=self.config.kv_cache,
+            decode_weight_bytes=self.loaded.decode_weight_bytes,
         )
         self._generator = torch.Generator().manual_seed(self.config.seed)
         self._prefix_cache = PrefixCache(self.config.prefix_cache_entries if self.config.kv_cache else 0)
@@ -199,13 +203,14 @@ class Engine(StreamingMixin):
     def submit(self, request: ChatRequest) -> RequestHandle:
         """Validate the images and queue the request. Raises InvalidImage or Busy (their metrics are recorded)."""
         job = Job(uuid.uuid4().hex, request)
+        job.trace = trace = RequestTrace(job, self.info, self.config, self.store)
         try:
-            with job.clock.stage("load_images"):
+            with trace.stage(LOAD_IMAGES, announce=False):
                 job.images = load_request_images(request, self.config)
             job.on_cancel = self._on_cancel
             self._queue.submit(job)
         except (InvalidImage, Busy) as exc:
-            exc.metrics = self._finish(job, "refused", error=exc)
+            trace.finish(REFUSED, exc)
             raise
         return RequestHandle(job)
 
@@ -229,55 +234,43 @@ class Engine(StreamingMixin):
 
     def _on_cancel(self, job: Job) -> None:
         if self._queue.withdraw(job):  # cancelled while waiting: the worker will never see it
-            job.events.put(self._finish(job, "cancelled"))
+            job.trace.finish(CANCELLED)
 
     def _run(self, job: Job) -> None:
         """Worker thread: one request from queue exit to metrics."""
-        queue_wait = time.perf_counter() - job.enqueued_perf
-        facts: dict = {"queue_wait_s": queue_wait, "started_at": time.time()}
-        # On record before any compute: if the process dies now, the next start relabels it 'interrupted'.
-        self._finish(job, "running", **facts)
-        result: BaseException | None = None
-        status = "ok"
+        trace = job.trace
+        trace.start()
+        error: BaseException | None = None
+        status = OK
         with torch.inference_mode(), RssSampler() as rss:
             try:
-                if job.cancelled.is_set():
-                    status = "cancelled"
-                else:
-                    status = self._generate(job, facts)
+                status = CANCELLED if job.cancelled.is_set() else self._generate(job, trace)
             except VlscopeError as exc:
-                status, result = ("refused" if isinstance(exc, (PromptTooLong, InsufficientMemory)) else "error"), exc
+                status, error = (REFUSED if isinstance(exc, (PromptTooLong, InsufficientMemory)) else ERROR), exc
             except Exception as exc:
                 log.exception("request %s failed", job.id)
-                result = GenerationFailed(f"generation failed: {type(exc).__name__}: {exc}")
-                status = "error"
-        facts.update(rss_before_bytes=rss.before, rss_peak_bytes=rss.peak, rss_after_bytes=rss.after)
-        metrics = self._finish(job, status, error=result, **facts)
-        if result is not None:
-            result.metrics = metrics
-            job.events.put(result)
-        else:
-            job.events.put(metrics)
+                status, error = ERROR, GenerationFailed(f"generation failed: {type(exc).__name__}: {exc}")
+        trace.rss_bytes = (rss.before, rss.peak, rss.after)
+        trace.finish(status, error)
 
-    def _generate(self, job: Job, facts: dict) -> str:
+    def _generate(self, job: Job, trace: RequestTrace) -> str:
         request, config, loaded = job.request, self.config, self.loaded
-        model, emit = loaded.model, job.events.put
+        model = loaded.model
         pictures = [image.image for image in job.images]
         if request.enhance_for_ocr and pictures:
-            emit(StageStarted("ocr_enhance"))
-            with job.clock.stage("ocr_enhance"):
+            with trace.stage(OCR_ENHANCE):
                 pictures = [enhance_for_ocr(picture) for picture in pictures]
 
-        emit(StageStarted("preprocess"))
-        max_new_tokens = request.max_new_tokens or config.max_new_tokens
-        with job.clock.stage("preprocess"):
+        max_new_tokens = trace.max_new_tokens
+        with trace.stage(PREPROCESS):
             sizes = [fit_to_budget(*picture.size, config.min_pixels, config.max_pixels) for picture in pictures]
             image_counts = [len(turn.images) for turn in request.history if turn.role == "user"]
             messages = chat_messages(request.history, request.prompt, image_counts + [len(request.images)])
             prompt = tokenize_prompt(loaded.tokenizer, messages, sizes, loaded.image_token_id)
             prompt_tokens = prompt.input_ids.shape[1]
-            facts.update(resized_sizes=tuple(sizes), vision_tokens=sum(vision_token_count(s) for s in sizes),
-                         prompt_tokens=prompt_tokens)
+            trace.resized_sizes = tuple(sizes)
+            trace.vision_tokens = sum(vision_token_count(size) for size in sizes)
+            trace.prompt_tokens = prompt_tokens
             self._check_length(prompt_tokens, max_new_tokens)
             self._check_memory(sizes, prompt_tokens, max_new_tokens)
             keys = tuple(f"{image.sha256}/{int(request.enhance_for_ocr)}/{w}x{h}"
@@ -285,7 +278,7 @@ class Engine(StreamingMixin):
             spans = image_spans(prompt.mm_token_type_ids)
             reuse = config.kv_cache and request.reuse_cache
             reused, start = self._prefix_cache.take(prompt.input_ids, keys, spans) if reuse else (None, 0)
-            facts["cached_prompt_tokens"] = start
+            trace.cached_prompt_tokens = start
             # Only images after the reused prefix are encoded again.
             fresh = [index for index, (first, _) in enumerate(spans) if first >= start]
             patches = patchify_images(loaded.image_processor, [pictures[i] for i in fresh],
@@ -294,30 +287,28 @@ class Engine(StreamingMixin):
 
         vision = None
         if patches is not None:
-            emit(StageStarted("vision_encode"))
-            with job.clock.stage("vision_encode"):
+            with trace.stage(VISION_ENCODE):
                 vision = encode_images(model, patches)
         if job.cancelled.is_set():
-            return "cancelled"
+            return CANCELLED
 
-        emit(StageStarted("prefill"))
         sampler = Sampler(
-            temperature=config.temperature if request.temperature is None else request.temperature,
-            top_p=config.top_p if request.top_p is None else request.top_p,
+            temperature=trace.temperature,
+            top_p=trace.top_p,
             generator=self._generator if request.seed is None else torch.Generator().manual_seed(request.seed),
             presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
             logit_bias=request.logit_bias, top_logprobs=request.top_logprobs,
         )
-        with job.clock.stage("prefill"):
+        with trace.stage(PREFILL):
             logits, state = prefill(model, prompt, vision, all_grids, config.kv_cache,
                                     cache=reused.cache if reused else None, start=start)
             token = sampler(logits)
-        status = self._decode(job, state, token, sampler, max_new_tokens, facts)
+        status = self._decode(job, trace, state, token, sampler)
         if state.cache is not None:  # prompt and answer so far: the start of this conversation's next turn
             self._prefix_cache.put(CachedSequence(state.tokens, state.cache, keys, spans))
         return status
 
-    def _decode(self, job: Job, state, token: int, sampler: Sampler, max_new_tokens: int, facts: dict) -> str:
+    def _decode(self, job: Job, trace: RequestTrace, state, token: int, sampler: Sampler) -> str:
         loaded, emit, model = self.loaded, job.events.put, self.loaded.model
 
         detokenizer = Detokenizer(loaded.tokenizer)
@@ -338,18 +329,18 @@ class Engine(StreamingMixin):
             """Count and show one answer token; True once a stop string has ended the answer."""
             nonlocal output_tokens
             output_tokens += 1
-            with job.clock.stage("detokenize"):
+            with trace.stage(DETOKENIZE, announce=False):
                 detokenizer.push(token)
                 text = stops.release(detokenizer.text)
-            if "ttft_s" not in facts:
-                facts["ttft_s"] = time.perf_counter() - job.submitted_perf
+            trace.first_token()
             show(text)
             return stops.hit
 
         ended = token in stop_ids
         if not ended and not take(token):
-            emit(StageStarted("decode"))
-            steps = decode_n_tokens(model, state, token, max_new_tokens - 1, sampler, stop_ids, job.cancelled.is_set)
+            trace.announce(DECODE)
+            steps = decode_n_tokens(model, state, token, trace.max_new_tokens - 1, sampler, stop_ids,
+                                    job.cancelled.is_set)
             while True:
                 started = time.perf_counter()
                 token = next(steps, None)
@@ -357,25 +348,23 @@ class Engine(StreamingMixin):
                     break
                 step = time.perf_counter() - started
                 latencies.append(step)
-                job.clock.add("decode", step)
+                trace.add(DECODE, step)
                 if token in stop_ids:
                     ended = True
                     break
                 if take(token):
                     break
-        facts.setdefault("ttft_s", time.perf_counter() - job.submitted_perf)
+        trace.first_token()
         show(stops.flush(detokenizer.text))
 
         decode_seconds = sum(latencies)
         cancelled = job.cancelled.is_set()
-        facts.update(
-            output_tokens=output_tokens,
-            token_latencies_s=tuple(latencies),
-            decode_tokens_per_s=(len(latencies) / decode_seconds) if decode_seconds > 0 else None,
-            answer=detokenizer.text[:stops.sent],
-            finish_reason=None if cancelled else "stop" if ended or stops.hit else "length",
-        )
-        return "cancelled" if cancelled else "ok"
+        trace.output_tokens = output_tokens
+        trace.token_latencies_s = tuple(latencies)
+        trace.decode_tokens_per_s = (len(latencies) / decode_seconds) if decode_seconds > 0 else None
+        trace.answer = detokenizer.text[:stops.sent]
+        trace.finish_reason = None if cancelled else "stop" if ended or stops.hit else "length"
+        return CANCELLED if cancelled else OK
 
     def _check_length(self, prompt_tokens: int, max_new_tokens: int) -> None:
         if prompt_tokens > self.config.max_input_tokens:
@@ -401,42 +390,3 @@ class Engine(StreamingMixin):
                 f"{room / 2**30:.1f} GiB is available. Use fewer or smaller images, a lower image token budget, "
                 "fewer new tokens, or bfloat16."
             )
-
-    def _finish(self, job: Job, status: str, error: BaseException | None = None, **facts) -> RequestMetrics:
-        """Build the request's metrics record, persist it, and return it."""
-        config, request = self.config, job.request
-        answer = facts.pop("answer", None)
-        facts.setdefault("resized_sizes", tuple(fit_to_budget(*i.image.size, config.min_pixels, config.max_pixels)
-                                                for i in job.images))
-        loaded = getattr(self, "loaded", None)
-        metrics = request_record(
-            job, config, status, error,
-            model=loaded.name if loaded else config.model,
-            synthetic=loaded.synthetic if loaded else False,
-            dtype=config.dtype,
-            compute_dtype=loaded.compute_dtype if loaded else None,
-            threads=config.threads,
-            kv_cache=config.kv_cache,
-            weight_bytes=loaded.weight_bytes if loaded else 0,
-            decode_weight_bytes=loaded.decode_weight_bytes if loaded else 0,
-            prompt=request.prompt if config.store_content else None,
-            answer=answer if config.store_content else None,
-            **facts,
-        )
-        if config.store_content and status != "running":
-            self._save_images(job)
-        self.store.add(metrics)
-        return metrics
-
-    def _save_images(self, job: Job) -> None:
-        folder = Path(self.config.db_path).parent / "images"
-        try:
-            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-            folder.chmod(0o700)  # owner-only, like the database: these are users' pictures
-            for image in job.images:
-                target = folder / f"{image.sha256}.png"
-                if not target.exists():
-                    with os.fdopen(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as file:
-                        image.image.save(file, format="PNG")
-        except OSError as exc:
-            log.error("could not save request images: %s", exc)

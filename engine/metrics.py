@@ -2,24 +2,16 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 import threading
-import time
 from dataclasses import dataclass, field
 
 import psutil
-
-# Stage names in the order a request meets them. Every stage is timed apart; their sum never exceeds e2e_s.
-STAGES = ("load_images", "ocr_enhance", "preprocess", "vision_encode", "prefill", "decode", "detokenize")
-# running: written when the worker starts, replaced when it ends; interrupted: a running record whose server
-# process died (found and relabelled at the next start).
-STATUSES = ("ok", "cancelled", "error", "refused", "running", "interrupted")
 
 
 @dataclass(frozen=True)
 class RequestMetrics:
     id: str
-    status: str  # ok | cancelled | error | refused (bad input or busy, before any model compute)
+    status: str  # one of trace.STATUSES
     source: str
     warmup: bool
     submitted_at: float  # unix time
@@ -45,7 +37,7 @@ class RequestMetrics:
     # time, seconds
     started_at: float | None = None  # unix time the worker took it; None if it never ran
     queue_wait_s: float = 0.0
-    stages: dict = field(default_factory=dict)  # stage name -> seconds, only stages that ran
+    stages: dict = field(default_factory=dict)  # stage name (trace.STAGES) -> seconds, only stages that ran
     token_latencies_s: tuple[float, ...] = ()  # every decode step after the first token
     ttft_s: float | None = None  # submission to first token text
     decode_tokens_per_s: float | None = None
@@ -85,35 +77,6 @@ class RequestMetrics:
         return cls(**values)
 
 
-def request_record(job, config, status: str, error: BaseException | None = None, **fields) -> RequestMetrics:
-    """The parts of a request's record every engine fills the same way (identity, sampling settings, images,
-    stages, end-to-end time, error, memory defaults); the engine passes what it alone knows in `fields`."""
-    request = job.request
-    if "rss_before_bytes" not in fields:
-        rss = current_rss()
-        fields.update(rss_before_bytes=rss, rss_peak_bytes=rss, rss_after_bytes=rss)
-    return RequestMetrics(
-        id=job.id,
-        status=status,
-        source=request.source,
-        warmup=request.warmup,
-        submitted_at=job.submitted_at,
-        finished_at=time.time(),
-        min_pixels=config.min_pixels,
-        max_pixels=config.max_pixels,
-        max_new_tokens=request.max_new_tokens or config.max_new_tokens,
-        temperature=config.temperature if request.temperature is None else request.temperature,
-        top_p=config.top_p if request.top_p is None else request.top_p,
-        image_sizes=tuple(image.original_size for image in job.images),
-        stages=dict(job.clock.seconds),
-        e2e_s=time.perf_counter() - job.submitted_perf,
-        error_type=getattr(error, "kind", None) if error is not None else None,
-        error=str(error) if error is not None else None,
-        pid=os.getpid(),
-        **fields,
-    )
-
-
 def current_rss() -> int:
     return psutil.Process().memory_info().rss
 
@@ -144,28 +107,3 @@ class RssSampler:
         self._thread.join()
         self.after = self.process.memory_info().rss
         self.peak = max(self.peak, self.after)
-
-
-class StageClock:
-    """Accumulates seconds per stage; `with clock.stage("prefill"):` times one stage boundary to boundary."""
-
-    def __init__(self):
-        self.seconds: dict[str, float] = {}
-
-    def stage(self, name: str):
-        return _Timing(self, name)
-
-    def add(self, name: str, seconds: float) -> None:
-        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
-
-
-class _Timing:
-    def __init__(self, clock: StageClock, name: str):
-        self.clock, self.name = clock, name
-
-    def __enter__(self):
-        self.start = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc):
-        self.clock.add(self.name, time.perf_counter() - self.start)

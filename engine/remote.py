@@ -17,10 +17,12 @@ from .config import EngineConfig
 from .engine import EngineInfo, RequestHandle, StreamingMixin
 from .errors import Busy, GenerationFailed, InvalidImage, ModelUnavailable, PromptTooLong, VlscopeError
 from .images import load_request_images
-from .metrics import RequestMetrics, current_rss, request_record
-from .request import ChatRequest, StageStarted, TextChunk
+from .metrics import current_rss
+from .request import ChatRequest, TextChunk
 from .scheduler import Job
 from .store import MetricsStore
+from .trace import (CANCELLED, DECODE, ERROR, LOAD_IMAGES, OK, REFUSED, SERVER_FIRST_TOKEN, UPLOAD,
+                    RequestTrace)
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +47,7 @@ class RemoteEngine(StreamingMixin):
         self.model_name = config.remote_model or (names[0] if names else "default")
         self.info = EngineInfo(model=f"{self.model_name} @ {self.base_url}", synthetic=False, dtype="remote",
                                threads=0, weight_bytes=0, load_seconds=time.perf_counter() - started,
-                               context_length=262144)
+                               context_length=262144, compute_dtype=None)
 
     def _headers(self) -> dict:
         return {"Authorization": f"Bearer {self.config.remote_api_key}"} if self.config.remote_api_key else {}
@@ -56,14 +58,19 @@ class RemoteEngine(StreamingMixin):
 
     def submit(self, request: ChatRequest) -> RequestHandle:
         job = Job(uuid.uuid4().hex, request)
+        job.trace = trace = RequestTrace(job, self.info, self.config, self.store)
         try:
-            with job.clock.stage("load_images"):
+            with trace.stage(LOAD_IMAGES, announce=False):
                 job.images = load_request_images(request, self.config)
-        except InvalidImage as exc:
-            exc.metrics = self._finish(job, "refused", {}, error=exc)
+            with self._lock:
+                # The same bound as the local queue: one running, max_queue waiting (at the remote server).
+                if self._in_flight > self.config.max_queue:
+                    raise Busy(f"{self._in_flight} requests are in flight to the remote server, the limit is "
+                               f"{self.config.max_queue + 1}. Try again in a moment.")
+                self._in_flight += 1
+        except (InvalidImage, Busy) as exc:
+            trace.finish(REFUSED, exc)
             raise
-        with self._lock:
-            self._in_flight += 1
         threading.Thread(target=self._run, args=(job,), name="vlscope-remote", daemon=True).start()
         return RequestHandle(job)
 
@@ -91,13 +98,14 @@ class RemoteEngine(StreamingMixin):
         return messages + [{"role": "user", "content": content(request.prompt, len(request.images))}]
 
     def _run(self, job: Job) -> None:
-        facts: dict = {"started_at": time.time()}
+        trace = job.trace
+        trace.start()
         error: VlscopeError | None = None
-        status = "ok"
+        status = OK
         request = job.request
         body = {"model": self.model_name, "messages": self._messages(job), "stream": True,
-                "stream_options": {"include_usage": True},
-                "max_tokens": request.max_new_tokens or self.config.max_new_tokens}
+                "stream_options": {"include_usage": True}, "max_tokens": trace.max_new_tokens,
+                "temperature": trace.temperature, "top_p": trace.top_p}
         if request.ignore_eos:
             body["ignore_eos"] = True  # understood by vLLM, llama.cpp and vlscope
         if request.stop:
@@ -109,79 +117,70 @@ class RemoteEngine(StreamingMixin):
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(request, name):
                 body[name] = getattr(request, name)
-        for name in ("temperature", "top_p"):
-            value = getattr(request, name)
-            body[name] = value if value is not None else getattr(self.config, name)
-        emit = job.events.put
         rss_before = current_rss()
         try:
-            emit(StageStarted("upload"))
+            trace.announce(UPLOAD)
             sent = time.perf_counter()
             with self._client.stream("POST", f"{self.base_url}/chat/completions", json=body) as response:
-                job.clock.add("upload", time.perf_counter() - sent)
+                trace.add(UPLOAD, time.perf_counter() - sent)
                 if response.status_code != 200:
                     response.read()
                     raise _remote_error(response)
-                status = self._read_stream(job, response, facts)
+                status = self._read_stream(job, trace, response)
         except VlscopeError as exc:
-            status, error = ("refused" if isinstance(exc, (InvalidImage, PromptTooLong, Busy)) else "error"), exc
+            status, error = (REFUSED if isinstance(exc, (InvalidImage, PromptTooLong, Busy)) else ERROR), exc
         except httpx.HTTPError as exc:
-            status, error = "error", GenerationFailed(f"the remote server failed: {exc}")
+            status, error = ERROR, GenerationFailed(f"the remote server failed: {type(exc).__name__}")
+        except Exception as exc:  # whatever the remote sent, the request ends with an error and a record
+            log.exception("request %s: the remote server's answer could not be read", job.id)
+            status, error = ERROR, GenerationFailed(f"the remote server's answer could not be read: "
+                                                    f"{type(exc).__name__}")
         finally:
             with self._lock:
                 self._in_flight -= 1
         rss = current_rss()
-        facts.update(rss_before_bytes=rss_before, rss_peak_bytes=max(rss_before, rss), rss_after_bytes=rss)
-        metrics = self._finish(job, status, facts, error=error)
-        if error is not None:
-            error.metrics = metrics
-            emit(error)
-        else:
-            emit(metrics)
+        trace.rss_bytes = (rss_before, max(rss_before, rss), rss)
+        trace.finish(status, error)
 
-    def _read_stream(self, job: Job, response, facts: dict) -> str:
+    def _read_stream(self, job: Job, trace: RequestTrace, response) -> str:
         started = time.perf_counter()
         chunk_times: list[float] = []
         for line in response.iter_lines():
             if job.cancelled.is_set():
-                return "cancelled"  # leaving the with-block closes the connection: the server stops too
+                return CANCELLED  # leaving the with-block closes the connection: the server stops too
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            data = json.loads(line[6:])
+            try:
+                data = json.loads(line[6:])
+            except ValueError:
+                raise GenerationFailed("the remote server sent a malformed stream line") from None
+            if not isinstance(data, dict):
+                raise GenerationFailed("the remote server sent a stream line that is not an object")
             if "error" in data:
-                raise error_from(400, data["error"].get("message", ""), data["error"].get("code"))
+                error = data["error"]
+                if isinstance(error, dict):
+                    raise error_from(400, str(error.get("message", "")), error.get("code"))
+                raise error_from(400, str(error), None)
             for choice in data.get("choices") or []:
                 text = (choice.get("delta") or {}).get("content")
                 if text:
                     chunk_times.append(time.perf_counter())
                     if len(chunk_times) == 1:
-                        facts["ttft_s"] = chunk_times[0] - job.submitted_perf
-                        job.events.put(StageStarted("decode"))
+                        trace.first_token()
+                        trace.announce(DECODE)
                     job.events.put(TextChunk(text))
-            if data.get("usage"):
-                facts["prompt_tokens"] = data["usage"].get("prompt_tokens", 0)
-                facts["output_tokens"] = data["usage"].get("completion_tokens", 0)
-            server = data.get("metrics") or data.get("timings")
-            if server:
-                facts["server_metrics"] = server
+            usage = data.get("usage")
+            if usage:
+                trace.prompt_tokens = usage.get("prompt_tokens", 0)
+                trace.output_tokens = usage.get("completion_tokens", 0)
+            trace.server_metrics = data.get("metrics") or data.get("timings") or trace.server_metrics
         if len(chunk_times) > 1:
-            job.clock.add("decode", chunk_times[-1] - chunk_times[0])
-            facts["decode_tokens_per_s"] = (len(chunk_times) - 1) / (chunk_times[-1] - chunk_times[0])
-        job.clock.add("server_first_token", (chunk_times[0] if chunk_times else time.perf_counter()) - started)
-        facts.setdefault("output_tokens", len(chunk_times))
-        server = facts.get("server_metrics") or {}
-        facts["vision_tokens"] = server.get("vision_tokens", 0)
-        return "ok"
-
-    def _finish(self, job: Job, status: str, facts: dict, error: BaseException | None = None) -> RequestMetrics:
-        metrics = request_record(
-            job, self.config, status, error,
-            model=self.info.model if hasattr(self, "info") else self.config.remote_url,
-            synthetic=bool((facts.get("server_metrics") or {}).get("synthetic", False)),
-            dtype="remote", threads=0, kv_cache=True, **facts,
-        )
-        self.store.add(metrics)
-        return metrics
+            trace.add(DECODE, chunk_times[-1] - chunk_times[0])
+            trace.decode_tokens_per_s = (len(chunk_times) - 1) / (chunk_times[-1] - chunk_times[0])
+        trace.add(SERVER_FIRST_TOKEN, (chunk_times[0] if chunk_times else time.perf_counter()) - started)
+        trace.output_tokens = trace.output_tokens or len(chunk_times)
+        trace.vision_tokens = (trace.server_metrics or {}).get("vision_tokens", 0)
+        return OK
 
 
 def _remote_error(response: httpx.Response) -> VlscopeError:

@@ -12,7 +12,6 @@ from collections import deque
 from typing import Callable
 
 from .errors import Busy
-from .metrics import StageClock
 from .request import ChatRequest, Queued
 
 log = logging.getLogger(__name__)
@@ -27,7 +26,7 @@ class Job:
         self.submitted_at = time.time()
         self.submitted_perf = time.perf_counter()
         self.enqueued_perf = self.submitted_perf  # set again when it enters the queue, after its images are checked
-        self.clock = StageClock()
+        self.trace = None  # its RequestTrace, set by the engine that takes it
         self.images: list = []  # LoadedImage, in conversation order
         self.events: queue.Queue = queue.Queue()
         self.cancelled = threading.Event()

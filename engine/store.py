@@ -15,7 +15,8 @@ from typing import Callable
 
 import numpy as np
 
-from .metrics import STAGES, RequestMetrics
+from .metrics import RequestMetrics
+from .trace import INTERRUPTED, RUNNING, STAGES
 
 log = logging.getLogger(__name__)
 
@@ -105,9 +106,9 @@ class MetricsStore:
 
     def mark_interrupted(self, alive: Callable[[int], bool]) -> int:
         """Relabel 'running' records whose serving process is gone: the server died mid-request."""
-        stale = [m for m in self._select("WHERE status = 'running'") if m.pid != os.getpid() and not alive(m.pid)]
+        stale = [m for m in self._select("WHERE status = ?", (RUNNING,)) if m.pid != os.getpid() and not alive(m.pid)]
         for record in stale:
-            self.add(dataclasses.replace(record, status="interrupted",
+            self.add(dataclasses.replace(record, status=INTERRUPTED,
                                          error="the server stopped before this request finished"))
         return len(stale)
 

@@ -7,6 +7,7 @@ import streamlit as st
 
 from engine import InvalidImage, Queued, RequestMetrics, StageStarted, TextChunk, VlscopeError
 from engine.images import load_image
+from engine.trace import RUNNING
 from ui.engine_resource import get_engine
 from ui.conversation import PRESETS, ChatTurn, build_request, images_to_attach, stats_line, transcript
 
@@ -67,7 +68,7 @@ for name, data in picked:
 for turn in turns:
     if turn.request_id and not turn.stats:  # stopped: the worker has written its record since
         record = engine.store.get(turn.request_id)
-        if record is not None and record.status != "running":
+        if record is not None and record.status != RUNNING:
             turn.stats = stats_line(record)
     with st.chat_message(turn.role):
         for name, data in turn.images:

@@ -3,7 +3,7 @@ import time
 
 import streamlit as st
 
-from engine import stage_percentiles, to_csv
+from engine import STATUSES, stage_percentiles, to_csv
 from engine.system import ISA_FLAGS, read_ceiling_gb_per_s, system_report
 from ui.charts import (label, latency_over_time, records_frame, rss_chart, server_stages, stage_bars,
                        token_latency_chart)
@@ -13,10 +13,9 @@ WINDOWS = {"last 15 minutes": 15 * 60, "last hour": 3600, "last 24 hours": 86400
 GIB = 1 << 30
 
 st.title("Profiling")
-STATUSES = ["ok", "cancelled", "error", "refused", "running", "interrupted"]
 controls = st.columns([2, 3, 2, 2])
 window = controls[0].selectbox("Time window", list(WINDOWS), index=1, key="prof_window")
-statuses = controls[1].multiselect("Status", STATUSES, default=STATUSES, key="prof_status")
+statuses = controls[1].multiselect("Status", list(STATUSES), default=list(STATUSES), key="prof_status")
 sources = controls[2].multiselect("Source", ["app", "api", "cli", "bench", "python", "warmup"], key="prof_source",
                                   placeholder="all sources")
 dtypes = controls[3].multiselect("Precision", ["float32", "bfloat16", "int8", "remote"], key="prof_dtype",

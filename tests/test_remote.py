@@ -1,13 +1,17 @@
 """A vlscope pointed at another vlscope: the remote backend over real HTTP, in the engine, the API and the app."""
 from __future__ import annotations
 
+import json
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import openai
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from engine import ChatRequest, EngineConfig, InvalidImage, MetricsStore, PromptTooLong, RequestMetrics, TextChunk
+from engine import (STAGES, Busy, ChatRequest, EngineConfig, GenerationFailed, InvalidImage, MetricsStore,
+                    PromptTooLong, RequestMetrics, TextChunk)
 from engine.remote import RemoteEngine
 from ui.engine_resource import shutdown
 
@@ -35,7 +39,8 @@ def test_remote_engine_streams_measures_and_cancels(backend, images_dir, tmp_pat
         elif isinstance(event, RequestMetrics):
             metrics = event
     assert "".join(text) and metrics.status == "ok" and metrics.output_tokens == 8
-    assert {"load_images", "upload", "decode"} <= set(metrics.stages) and 0 < metrics.ttft_s <= metrics.e2e_s
+    assert {"load_images", "upload", "server_first_token", "decode"} <= set(metrics.stages) <= set(STAGES)
+    assert 0 < metrics.ttft_s <= metrics.e2e_s
     assert metrics.server_metrics["stages"]["vision_encode"] > 0 and metrics.vision_tokens > 0
     served = MetricsStore(backend_db).recent(5, include_warmup=False)
     assert served[0].source == "api" and served[0].output_tokens == 8
@@ -88,3 +93,59 @@ def test_vlscope_in_front_of_vlscope_api_and_app(backend, tiny_model, images_dir
         assert any("remote server" in h.value for h in at.subheader)
     finally:
         shutdown()
+
+
+class MisbehavingServer(BaseHTTPRequestHandler):
+    """An OpenAI-style server gone wrong; the prompt says how: a malformed stream line, an error that is a bare
+    string, a stream line that is not an object, or a slow answer."""
+
+    def do_GET(self):
+        self._send(200, "application/json", json.dumps({"data": [{"id": "broken"}]}).encode())
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        prompt = body["messages"][-1]["content"]
+        lines = {"malformed": "data: {not json", "string error": 'data: {"error": "boom"}',
+                 "list": "data: [1, 2]", "choices": 'data: {"choices": ["x"]}'}
+        if prompt == "slow":
+            time.sleep(2)
+            line = 'data: {"choices": [{"delta": {"content": "late"}}]}'
+        else:
+            line = lines[prompt]
+        self._send(200, "text/event-stream", f"{line}\n\ndata: [DONE]\n\n".encode())
+
+    def _send(self, status, kind, payload):
+        self.send_response(status)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_remote_failures_end_with_an_error_and_a_record_and_the_queue_bound_holds(tmp_path):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), MisbehavingServer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        config = EngineConfig(remote_url=f"http://127.0.0.1:{server.server_address[1]}/v1",
+                              db_path=str(tmp_path / "client.db"), max_queue=1)
+        engine = RemoteEngine(config)
+        for prompt in ("malformed", "string error", "list", "choices"):
+            with pytest.raises(GenerationFailed) as caught:
+                engine.ask(ChatRequest(prompt=prompt))
+            assert caught.value.metrics.status == "error", prompt
+        stored = MetricsStore(config.db_path).recent(10)
+        assert [r.status for r in stored] == ["error"] * 4 and "boom" in stored[2].error
+
+        slow = [engine.submit(ChatRequest(prompt="slow")) for _ in range(2)]  # one running, one waiting
+        with pytest.raises(Busy) as caught:
+            engine.submit(ChatRequest(prompt="slow"))
+        assert caught.value.metrics.status == "refused"
+        assert ["".join(e.text for e in h.events() if isinstance(e, TextChunk)) for h in slow] == ["late", "late"]
+        assert engine.queue_depth == 0
+        engine.ask(ChatRequest(prompt="slow"))  # room again
+        engine.close()
+    finally:
+        server.shutdown()

@@ -7,14 +7,13 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from engine import STAGES, RequestMetrics
+from engine import RequestMetrics
+from engine.trace import DECODE, PREFILL, QUEUE_WAIT, STAGES
 
 GIB = 1 << 30
-STAGE_COLOURS = {
-    "queue_wait": "#bab0ac", "load_images": "#9c755f", "ocr_enhance": "#ff9da7", "preprocess": "#edc948",
-    "vision_encode": "#f28e2b", "prefill": "#e15759", "decode": "#4e79a7", "detokenize": "#76b7b2",
-    "upload": "#b07aa1", "server_first_token": "#ff9d9a",
-}
+# One colour per name of QUEUE_WAIT + STAGES, in that order.
+STAGE_COLOURS = dict(zip((QUEUE_WAIT,) + STAGES, ("#bab0ac", "#9c755f", "#b07aa1", "#ff9da7", "#edc948", "#f28e2b",
+                                                  "#e15759", "#ff9d9a", "#4e79a7", "#76b7b2")))
 
 
 def label(record: RequestMetrics) -> str:
@@ -23,16 +22,16 @@ def label(record: RequestMetrics) -> str:
 
 
 def client_stages(record: RequestMetrics) -> dict:
-    return {"queue_wait": record.queue_wait_s, **record.stages}
+    return {QUEUE_WAIT: record.queue_wait_s, **record.stages}
 
 
 def server_stages(record: RequestMetrics) -> dict:
     """A remote server's own timings: vlscope's metrics record, or llama.cpp's `timings` (milliseconds)."""
     server = record.server_metrics or {}
     if "stages" in server:
-        return {"queue_wait": server.get("queue_wait_s", 0.0), **server["stages"]}
+        return {QUEUE_WAIT: server.get("queue_wait_s", 0.0), **server["stages"]}
     if "prompt_ms" in server or "predicted_ms" in server:
-        return {"prefill": server.get("prompt_ms", 0) / 1000, "decode": server.get("predicted_ms", 0) / 1000}
+        return {PREFILL: server.get("prompt_ms", 0) / 1000, DECODE: server.get("predicted_ms", 0) / 1000}
     return {}
 
 
@@ -41,7 +40,8 @@ def stage_bars(records: list[RequestMetrics], stages_of=client_stages) -> go.Fig
     records = sorted(records, key=lambda r: r.submitted_at)
     labels = [label(r) for r in records]
     per_record = [stages_of(r) for r in records]
-    names = list(("queue_wait",) + STAGES) + sorted({k for s in per_record for k in s} - set(STAGES) - {"queue_wait"})
+    known = (QUEUE_WAIT,) + STAGES
+    names = list(known) + sorted({name for stages in per_record for name in stages} - set(known))
     figure = go.Figure()
     for stage in names:
         values = [stages.get(stage, 0.0) for stages in per_record]

@@ -5,6 +5,7 @@ import hashlib
 from dataclasses import dataclass, field
 
 from engine import ChatRequest, RequestMetrics, Turn
+from engine.trace import OK
 
 GIB = 1 << 30
 
@@ -58,7 +59,7 @@ def stats_line(metrics: RequestMetrics) -> str:
     parts.append(f"total {metrics.e2e_s:.1f} s")
     parts.append(f"{metrics.vision_tokens} vision tokens")
     parts.append(f"peak RSS {metrics.rss_peak_bytes / GIB:.2f} GiB")
-    if metrics.status != "ok":
+    if metrics.status != OK:
         parts.append(metrics.status)
     return " · ".join(parts)
 

@@ -1,0 +1,194 @@
+"""A request's bookkeeping, owned in one place: the stage and status names, the settings the request resolved to, what
+it processed and how long each stage took, and the record it leaves behind.
+
+    trace = RequestTrace(job, engine.info, config, store)
+    with trace.stage(PREFILL):        # tells the stream the stage began, and times it
+        ...
+    trace.finish(OK)                  # builds the RequestMetrics, stores it, posts it to the request's stream
+
+Both engines (local and remote) keep their books through it, and every page, chart and exporter imports the names
+from here instead of retyping them.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .images import fit_to_budget
+from .metrics import RequestMetrics, current_rss
+from .request import StageStarted
+
+log = logging.getLogger(__name__)
+
+if TYPE_CHECKING:
+    from .config import EngineConfig
+    from .engine import EngineInfo
+    from .scheduler import Job
+    from .store import MetricsStore
+
+# Stage names in the order a request meets them. Every stage is timed apart; their sum never exceeds e2e_s.
+LOAD_IMAGES = "load_images"
+UPLOAD = "upload"  # remote engine: sending the request until the server's response begins
+OCR_ENHANCE = "ocr_enhance"
+PREPROCESS = "preprocess"
+VISION_ENCODE = "vision_encode"
+PREFILL = "prefill"
+SERVER_FIRST_TOKEN = "server_first_token"  # remote engine: the server's vision, prefill and first token, as seen
+DECODE = "decode"
+DETOKENIZE = "detokenize"
+STAGES = (LOAD_IMAGES, UPLOAD, OCR_ENHANCE, PREPROCESS, VISION_ENCODE, PREFILL, SERVER_FIRST_TOKEN, DECODE, DETOKENIZE)
+QUEUE_WAIT = "queue_wait"  # not a stage of the record's `stages`: its own field, shown beside them in charts
+
+# ok; cancelled (by the caller); error; refused (bad input, busy, too long or too big, before any model compute);
+# running: written when the worker starts, replaced when it ends; interrupted: a running record whose server
+# process died (found and relabelled at the next start).
+OK, CANCELLED, ERROR, REFUSED, RUNNING, INTERRUPTED = "ok", "cancelled", "error", "refused", "running", "interrupted"
+STATUSES = (OK, CANCELLED, ERROR, REFUSED, RUNNING, INTERRUPTED)
+
+
+class RequestTrace:
+    """One request's books, from submission to its stored record. Written by one thread at a time: the caller's
+    until the request is queued, then the worker's."""
+
+    def __init__(self, job: "Job", info: "EngineInfo", config: "EngineConfig", store: "MetricsStore"):
+        self.job, self.info, self.config, self.store = job, info, config, store
+        request = job.request
+        # The settings this request runs with, resolved once: its own where it set them, else the engine's.
+        self.max_new_tokens: int = request.max_new_tokens or config.max_new_tokens
+        self.temperature: float = config.temperature if request.temperature is None else request.temperature
+        self.top_p: float = config.top_p if request.top_p is None else request.top_p
+        # What it processed and what it cost; filled as stages end.
+        self.seconds: dict[str, float] = {}
+        self.started_at: float | None = None
+        self.queue_wait_s = 0.0
+        self.resized_sizes: tuple[tuple[int, int], ...] | None = None  # None: as the image budget fits them
+        self.vision_tokens = 0
+        self.prompt_tokens = 0
+        self.cached_prompt_tokens = 0
+        self.output_tokens = 0
+        self.token_latencies_s: tuple[float, ...] = ()
+        self.ttft_s: float | None = None
+        self.decode_tokens_per_s: float | None = None
+        self.finish_reason: str | None = None
+        self.answer: str | None = None
+        self.server_metrics: dict | None = None
+        self.rss_bytes: tuple[int, int, int] | None = None  # before, peak, after; None: one reading at the end
+
+    # ---- stages ---------------------------------------------------------------------------------------------------
+
+    @contextmanager
+    def stage(self, name: str, announce: bool = True):
+        """Time one stage boundary to boundary; `announce` first tells the request's stream that it began."""
+        if announce:
+            self.announce(name)
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(name, time.perf_counter() - started)
+
+    def announce(self, name: str) -> None:
+        self.job.events.put(StageStarted(name))
+
+    def add(self, name: str, seconds: float) -> None:
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+
+    def first_token(self) -> None:
+        """The first answer text exists now (only the first call counts)."""
+        if self.ttft_s is None:
+            self.ttft_s = time.perf_counter() - self.job.submitted_perf
+
+    # ---- the record -----------------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """The worker took the request. It goes on record before any compute: if the process dies now, the next
+        start relabels it interrupted."""
+        self.started_at = time.time()
+        self.queue_wait_s = time.perf_counter() - self.job.enqueued_perf
+        self.store.add(self.record(RUNNING))
+
+    def finish(self, status: str, error: BaseException | None = None) -> RequestMetrics:
+        """Build the final record, store it, and post it to the request's stream: the error (carrying the record as
+        its `metrics`) if there is one, else the record."""
+        metrics = self.record(status, error)
+        if self.config.store_content:
+            self._save_images()
+        self.store.add(metrics)
+        if error is not None:
+            error.metrics = metrics
+            self.job.events.put(error)
+        else:
+            self.job.events.put(metrics)
+        return metrics
+
+    def record(self, status: str, error: BaseException | None = None) -> RequestMetrics:
+        job, config, info, request = self.job, self.config, self.info, self.job.request
+        rss = self.rss_bytes or (current_rss(),) * 3
+        store_content = config.store_content
+        return RequestMetrics(
+            id=job.id,
+            status=status,
+            source=request.source,
+            warmup=request.warmup,
+            submitted_at=job.submitted_at,
+            finished_at=time.time(),
+            model=info.model,
+            synthetic=info.synthetic or bool((self.server_metrics or {}).get("synthetic", False)),
+            dtype=info.dtype,
+            compute_dtype=info.compute_dtype,
+            threads=info.threads,
+            kv_cache=info.kv_cache,
+            weight_bytes=info.weight_bytes,
+            decode_weight_bytes=info.decode_weight_bytes,
+            min_pixels=config.min_pixels,
+            max_pixels=config.max_pixels,
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            image_sizes=tuple(image.original_size for image in job.images),
+            resized_sizes=self.resized_sizes if self.resized_sizes is not None else self._budget_sizes(),
+            vision_tokens=self.vision_tokens,
+            prompt_tokens=self.prompt_tokens,
+            cached_prompt_tokens=self.cached_prompt_tokens,
+            output_tokens=self.output_tokens,
+            started_at=self.started_at,
+            queue_wait_s=self.queue_wait_s,
+            stages=dict(self.seconds),
+            token_latencies_s=self.token_latencies_s,
+            ttft_s=self.ttft_s,
+            decode_tokens_per_s=self.decode_tokens_per_s,
+            finish_reason=self.finish_reason,
+            e2e_s=time.perf_counter() - job.submitted_perf,
+            rss_before_bytes=rss[0],
+            rss_peak_bytes=rss[1],
+            rss_after_bytes=rss[2],
+            error_type=getattr(error, "kind", None) if error is not None else None,
+            error=str(error) if error is not None else None,
+            server_metrics=self.server_metrics,
+            pid=os.getpid(),
+            prompt=request.prompt if store_content else None,
+            answer=self.answer if store_content and status != RUNNING else None,
+        )
+
+    def _budget_sizes(self) -> tuple[tuple[int, int], ...]:
+        config = self.config
+        return tuple(fit_to_budget(*image.image.size, config.min_pixels, config.max_pixels)
+                     for image in self.job.images)
+
+    def _save_images(self) -> None:
+        """With content storage on, the request's pictures go beside the database, owner-only like it."""
+        folder = Path(self.config.db_path).parent / "images"
+        try:
+            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+            folder.chmod(0o700)
+            for image in self.job.images:
+                target = folder / f"{image.sha256}.png"
+                if not target.exists():
+                    with os.fdopen(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as file:
+                        image.image.save(file, format="PNG")
+        except OSError as exc:
+            log.error("could not save request images: %s", exc)
