@@ -5,9 +5,9 @@ import asyncio
 import hmac
 import json
 import logging
-import os
 import threading
 import time
+from contextlib import asynccontextmanager
 
 import anyio
 from starlette.requests import Request
@@ -17,7 +17,7 @@ from starlette.routing import Route
 from engine import (Busy, InsufficientMemory, InvalidImage, PromptTooLong, RequestMetrics, StageStarted, TextChunk,
                     VlscopeError)
 from engine.trace import PREFILL, VISION_ENCODE
-from ui.engine_resource import engine_slot, ensure_loaded, get_store
+from ui.engine_resource import engine_slot, ensure_loaded, get_store, server_settings, shutdown
 
 from . import prometheus
 from .openai_format import (ApiError, chunk, completion, finish_reason, logprobs_content, model_entry, public_metrics,
@@ -28,16 +28,13 @@ POLL_S = 0.25  # how often a waiting handler checks that its client is still the
 STARTED = int(time.time())  # the served model's `created`: when this server process started
 
 
-def _api_keys() -> set[str]:
-    return {k.strip() for k in os.environ.get("VLSCOPE_API_KEYS", "").split(",") if k.strip()}
-
-
-def _allowed_hosts() -> frozenset[str]:
-    return frozenset(h.strip() for h in os.environ.get("VLSCOPE_API_IMAGE_HOSTS", "").split(",") if h.strip())
-
-
-def _max_body() -> int:
-    return int(os.environ.get("VLSCOPE_API_MAX_BODY_BYTES", str(64 * 1024 * 1024)))
+@asynccontextmanager
+async def lifespan(app):
+    """The server's life: the model loads at start-up, in the background, so the API is ready without anyone
+    opening the UI first; the engine closes at shutdown."""
+    threading.Thread(target=ensure_loaded, name="vlscope-load", daemon=True).start()
+    yield
+    shutdown()
 
 
 def error_response(error: ApiError) -> JSONResponse:
@@ -46,7 +43,7 @@ def error_response(error: ApiError) -> JSONResponse:
 
 
 def _check_key(request: Request) -> None:
-    keys = _api_keys()
+    keys = server_settings().api_keys
     if not keys:
         return
     header = request.headers.get("authorization", "")
@@ -84,7 +81,7 @@ def _engine_error(exc: VlscopeError) -> ApiError:
 
 
 async def _read_json(request: Request) -> dict:
-    limit = _max_body()
+    limit = server_settings().api_max_body_bytes
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"the request body is over the {limit // 1_000_000} MB limit", code="body_too_large")
@@ -161,7 +158,7 @@ async def chat_completions(request: Request) -> Response:
             raise ApiError(400, "the request body must be a JSON object")
         model = _check_model(engine, body)
         stream, include_usage = stream_settings(body)
-        chat = to_chat_request(body, _allowed_hosts(), engine.config.max_image_bytes, 8192)
+        chat = to_chat_request(body, frozenset(server_settings().api_image_hosts), engine.config.max_image_bytes, 8192)
         token_text = _token_text(engine, chat)
         try:
             handle = await anyio.to_thread.run_sync(engine.submit, chat)

@@ -1,12 +1,19 @@
 """vlscope's engine: Qwen3-VL on the CPU, one request at a time, every stage measured. No Streamlit in here."""
 from .config import DEFAULT_MODEL, DTYPES, SKELETON_DIR, EngineConfig
 from .engine import Answer, Engine, EngineInfo, RequestHandle
-from .errors import (Busy, GenerationFailed, InsufficientMemory, InvalidImage, ModelUnavailable, PromptTooLong,
-                     VlscopeError)
+from .errors import (
+                     Busy,
+                     GenerationFailed,
+                     InsufficientMemory,
+                     InvalidImage,
+                     ModelUnavailable,
+                     PromptTooLong,
+                     VlscopeError,
+)
 from .metrics import RequestMetrics
-from .trace import STAGES, STATUSES
 from .request import ChatRequest, Queued, StageStarted, TextChunk, Turn
 from .store import MetricsStore, stage_percentiles, to_csv
+from .trace import STAGES, STATUSES
 
 __all__ = [
     "Answer", "Busy", "ChatRequest", "DEFAULT_MODEL", "DTYPES", "Engine", "EngineConfig", "EngineInfo",

@@ -4,8 +4,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
-from pathlib import Path
 
 from .config import COMPUTE_DTYPES, DTYPES, SKELETON_DIR, EngineConfig
 
@@ -93,76 +91,9 @@ def cmd_make_tiny(args) -> int:
     return 0
 
 
-def cmd_bench(args) -> int:
-    import datetime as dt
-
-    from .bench import default_images_dir, default_model, run_bench
-
-    images = Path(args.images) if args.images else default_images_dir()
-    out = Path(args.out) if args.out else Path("bench-results") / dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    repeats = args.repeats or (2 if args.quick else 5)
-    from .errors import VlscopeError
-
-    started = time.perf_counter()
-    try:
-        document = run_bench(args.model or default_model(), args.quick, repeats, images, out,
-                             args.db or EngineConfig.from_env().db_path,
-                             lambda fraction, message: print(f"[{time.perf_counter() - started:6.0f}s "
-                                                             f"{fraction * 100:3.0f}%] {message}", file=sys.stderr,
-                                                             flush=True),
-                             drift=not args.no_drift, against=args.against)
-    except VlscopeError as exc:  # the compared server is down, refuses the key, or fails a request
-        return _fail(exc)
-    print((out / "bench.md").read_text())
-    print(f"wrote {out}/bench.json, bench.md, bench.html in {time.perf_counter() - started:.0f} s "
-          f"({len(document['cases'])} cases)", file=sys.stderr)
-    return 0
-
-
-def cmd_soak(args) -> int:
-    import tempfile
-
-    from .soak import soak
-
-    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="vlscope-soak-"))
-    workdir.mkdir(parents=True, exist_ok=True)
-    result = soak(args.model or EngineConfig.from_env().model, args.requests, args.clients, args.seconds, workdir,
-                  report=lambda message: print(message, file=sys.stderr, flush=True),
-                  app_sessions=args.app_sessions, app_chats=args.app_chats)
-    print(json.dumps(result, indent=1))
-    healthy = (result["one_record_per_request"] and result["server_errors"] == 0 and result["rss_growth"] < 0.05
-               and result["health_at_end"] == "ready" and "app:no-answer" not in result["outcomes"])
-    return 0 if healthy else 1
-
-
 def _fail(exc: BaseException) -> int:
     print(f"error: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", file=sys.stderr)
     return 2
-
-
-def cmd_tune(args) -> int:
-    from .bench import default_images_dir, default_model
-    from .tuning import markdown, tune
-
-    try:
-        config = EngineConfig(model=args.model or default_model(), dtype=args.dtype, threads=args.threads or
-                              EngineConfig().threads, warmup=False)
-    except ValueError as exc:
-        return _fail(exc)
-    lines: list[str] = []
-
-    def report(line: str) -> None:
-        lines.append(line)
-        print(line, flush=True)
-
-    image = Path(args.image) if args.image else default_images_dir() / "coffee.png"
-    trials = tune(config, image, new_tokens=args.new_tokens, repeats=args.repeats,
-                  compile_=not args.no_compile, report=report)
-    table = markdown(trials, "# Implementation choices measured by `python -m engine tune`\n\n" + lines[0])
-    print(table)
-    if args.out:
-        Path(args.out).write_text(table + "\n" + "\n".join(f"    {line}" for line in lines) + "\n")
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -192,40 +123,6 @@ def main(argv: list[str] | None = None) -> int:
     tiny.add_argument("outdir")
     tiny.add_argument("--skeleton", default=str(SKELETON_DIR))
     tiny.set_defaults(run=cmd_make_tiny)
-
-    bench = commands.add_parser("bench", help="measure precision, threads, image sizes and paths on this CPU")
-    bench.add_argument("--quick", action="store_true", help="the small sweep (under 10 minutes on 2 cores)")
-    bench.add_argument("--model", help="default: VLSCOPE_MODEL if it has weights, else the bundled skeleton")
-    bench.add_argument("--repeats", type=int, help="measured runs per case (default 2 quick, 5 full)")
-    bench.add_argument("--images", help="folder with astronaut.png or coffee.png (default ../shared/images)")
-    bench.add_argument("--out", help="output folder (default bench-results/<time>)")
-    bench.add_argument("--db", help="metrics database for the engine's records")
-    bench.add_argument("--no-drift", action="store_true", help="skip the precision drift measurement")
-    bench.add_argument("--against", metavar="URL",
-                       help="also send each precision's request to this OpenAI-compatible server (llama.cpp's "
-                            "llama-server, vLLM, Ollama, another vlscope), interleaved, and report the ratios")
-    bench.set_defaults(run=cmd_bench)
-
-    tune = commands.add_parser("tune", help="measure attention implementation, cache kind and torch.compile")
-    tune.add_argument("--model", help="default: as for bench")
-    tune.add_argument("--dtype", choices=DTYPES, default="float32")
-    tune.add_argument("--threads", type=int)
-    tune.add_argument("--image", help="default: coffee.png from the images folder bench uses")
-    tune.add_argument("--new-tokens", type=int, default=32)
-    tune.add_argument("--repeats", type=int, default=2)
-    tune.add_argument("--no-compile", action="store_true")
-    tune.add_argument("--out", help="also write the table here (markdown)")
-    tune.set_defaults(run=cmd_tune)
-
-    soak = commands.add_parser("soak", help="bounded load and fault run against a local server")
-    soak.add_argument("--model", help="model for the server (default VLSCOPE_MODEL)")
-    soak.add_argument("--requests", type=int, default=200)
-    soak.add_argument("--clients", type=int, default=4)
-    soak.add_argument("--seconds", type=float, default=1800, help="stop sending after this long")
-    soak.add_argument("--app-sessions", type=int, default=1, help="browser sessions on the chat page (Chromium)")
-    soak.add_argument("--app-chats", type=int, default=3, help="questions each browser session asks")
-    soak.add_argument("--workdir", help="where the server's database and log go (default a temp folder)")
-    soak.set_defaults(run=cmd_soak)
 
     args = parser.parse_args(argv)
     return args.run(args)

@@ -1,8 +1,14 @@
-"""Runtime settings of the engine: one frozen dataclass, built from arguments and VLSCOPE_* variables."""
+"""Every setting vlscope has, read in this one module: the engine's (`EngineConfig`) and the server's
+(`ServerSettings`: who may call the API and the app, what the API accepts).
+
+Each comes from, in rising order of precedence: its default here, the `[vlscope]` table of Streamlit's
+`secrets.toml` (`~/.streamlit/` then `./.streamlit/`, or the table the app passes from `st.secrets`), and a
+`VLSCOPE_<NAME>` environment variable. No other module reads `VLSCOPE_*` variables."""
 from __future__ import annotations
 
 import dataclasses
 import os
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
@@ -96,18 +102,94 @@ class EngineConfig:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides) -> "EngineConfig":
-        """Settings from VLSCOPE_<FIELD> variables (e.g. VLSCOPE_DTYPE=bfloat16); explicit overrides win."""
-        env = os.environ if env is None else env
-        values: dict = {}
+        """The configured settings (see the module's docstring); explicit overrides win."""
+        return load_settings(env).engine.replace(**{k: v for k, v in overrides.items() if v is not None})
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """Who may reach the server and what its API accepts."""
+
+    # API keys: when any is set, the API answers 401 without `Authorization: Bearer <key>`.
+    api_keys: tuple[str, ...] = ()
+    # Hosts the API may fetch http(s) image URLs from; empty: images come only as data: URLs.
+    api_image_hosts: tuple[str, ...] = ()
+    api_max_body_bytes: int = 64 * 1024 * 1024
+    # A shared password for the app, for a small team without an OIDC provider.
+    app_password: str = ""
+    # What the app loads when the configured hub model cannot be reached.
+    fallback_model: str = str(SKELETON_DIR)
+
+    def __post_init__(self) -> None:
+        if self.api_max_body_bytes < 1:
+            raise ValueError("api_max_body_bytes must be at least 1")
+
+
+@dataclass(frozen=True)
+class Settings:
+    engine: EngineConfig
+    server: ServerSettings
+
+
+def secrets_table(paths: tuple[Path, ...] | None = None) -> dict:
+    """The `[vlscope]` table of the secrets files Streamlit reads, the project's over the user's. Unreadable or
+    missing files count as empty: defaults and the environment still apply."""
+    paths = paths or (Path.home() / ".streamlit" / "secrets.toml", Path.cwd() / ".streamlit" / "secrets.toml")
+    table: dict = {}
+    for path in paths:
+        try:
+            with open(path, "rb") as file:
+                table.update(tomllib.load(file).get("vlscope", {}))
+        except (OSError, tomllib.TOMLDecodeError, AttributeError):
+            continue
+    return table
+
+
+def load_settings(env: Mapping[str, str] | None = None, secrets: Mapping | None = None) -> Settings:
+    """Every setting: `VLSCOPE_<NAME>` from `env` (default os.environ) over `secrets` (default: the secrets files'
+    `[vlscope]` table) over the defaults. Raises ValueError naming the setting when a value does not parse."""
+    env = os.environ if env is None else env
+    secrets = secrets_table() if secrets is None else secrets
+
+    def values(cls) -> dict:
+        found: dict = {}
         for field in dataclasses.fields(cls):
             raw = env.get(f"VLSCOPE_{field.name.upper()}")
             if raw is None and field.name in ENV_ALIASES:
                 raw = env.get(ENV_ALIASES[field.name])
+            if raw is None and field.name in secrets:
+                raw = _as_text(secrets[field.name])
             if raw is None or raw == "":
                 continue
-            values[field.name] = _parse(field.name, raw, field.type)
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**values)
+            found[field.name] = _parse(field.name, raw, field.type)
+        return found
+
+    return Settings(EngineConfig(**values(EngineConfig)), ServerSettings(**values(ServerSettings)))
+
+
+def setting_names() -> list[str]:
+    """Every setting's environment variable name, in the order the classes declare them."""
+    return [f"VLSCOPE_{field.name.upper()}" for cls in (EngineConfig, ServerSettings)
+            for field in dataclasses.fields(cls)]
+
+
+def shared_dir() -> Path:
+    """The folder beside the checkout with real images and the full-size skeleton (tests and tools)."""
+    return Path(os.environ.get("VLSCOPE_SHARED") or PROJECT_DIR.parent / "shared")
+
+
+def chromium_binary() -> str:
+    """Headless Chromium for the browser checks of tests and the soak (Debian's package by default)."""
+    return os.environ.get("VLSCOPE_CHROMIUM") or "/usr/bin/chromium"
+
+
+def _as_text(value) -> str:
+    """A secrets value (TOML gives bools, numbers, lists) as the text an environment variable would hold."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, (list, tuple)):
+        return ",".join(str(item) for item in value)
+    return str(value)
 
 
 def _parse(name: str, raw: str, type_name: str):
@@ -122,6 +204,8 @@ def _parse(name: str, raw: str, type_name: str):
             return int(raw)
         if type_name == "float":
             return float(raw)
+        if type_name.startswith("tuple"):
+            return tuple(item.strip() for item in raw.split(",") if item.strip())
         return raw
     except ValueError:
         raise ValueError(f"VLSCOPE_{name.upper()}={raw!r} is not a valid {type_name}") from None

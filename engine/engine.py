@@ -18,9 +18,21 @@ import torch
 from PIL import Image
 
 from .config import EngineConfig
-from .errors import Busy, GenerationFailed, InsufficientMemory, InvalidImage, PromptTooLong, VlscopeError
+from .errors import (
+    Busy,
+    GenerationFailed,
+    InsufficientMemory,
+    InvalidImage,
+    PromptTooLong,
+    VlscopeError,
+)
 from .generate import Sampler, decode_n_tokens, encode_images, prefill
-from .images import enhance_for_ocr, fit_to_budget, load_request_images, vision_token_count
+from .images import (
+    enhance_for_ocr,
+    fit_to_budget,
+    load_request_images,
+    vision_token_count,
+)
 from .memory import available_bytes, estimate_request_bytes
 from .metrics import RequestMetrics, RssSampler
 from .model_loading import LoadedModel, ProgressCallback, load_model
@@ -28,9 +40,21 @@ from .prefix_cache import CachedSequence, PrefixCache, image_spans
 from .preprocess import chat_messages, image_grids, patchify_images, tokenize_prompt
 from .request import ChatRequest, Queued, StageStarted, TextChunk
 from .scheduler import Job, RequestQueue
-from .trace import (CANCELLED, DECODE, DETOKENIZE, ERROR, LOAD_IMAGES, OCR_ENHANCE, OK, PREFILL, PREPROCESS, REFUSED,
-                    VISION_ENCODE, RequestTrace)
 from .store import MetricsStore
+from .trace import (
+    CANCELLED,
+    DECODE,
+    DETOKENIZE,
+    ERROR,
+    LOAD_IMAGES,
+    OCR_ENHANCE,
+    OK,
+    PREFILL,
+    PREPROCESS,
+    REFUSED,
+    VISION_ENCODE,
+    RequestTrace,
+)
 
 log = logging.getLogger(__name__)
 

@@ -21,12 +21,18 @@ import torch
 from torch import nn
 
 from . import attention
-from .advisor import bfloat16_matmul_is_faster
 from .config import EngineConfig
 from .errors import ModelUnavailable
 from .memory import release_freed_memory
-from .quantize import (LINEAR_KINDS, compute_in_float32_, linear_weight_bytes, pack_linears_, packing_works,
-                       quantize_int8_)
+from .quantize import (
+    LINEAR_KINDS,
+    compute_in_float32_,
+    linear_weight_bytes,
+    pack_linears_,
+    packing_works,
+    quantize_int8_,
+)
+from .system import bfloat16_matmul_is_faster
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +136,9 @@ def fill_synthetic_(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
 
 def _load_tokenizer_and_processor(source: str, local_only: bool):
     from transformers import AutoTokenizer
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
 
     tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local_only)
     # The PIL image processor does what AutoProcessor's does without needing torchvision.

@@ -15,14 +15,30 @@ import httpx
 
 from .config import EngineConfig
 from .engine import EngineInfo, RequestHandle, StreamingMixin
-from .errors import Busy, GenerationFailed, InvalidImage, ModelUnavailable, PromptTooLong, VlscopeError
+from .errors import (
+    Busy,
+    GenerationFailed,
+    InvalidImage,
+    ModelUnavailable,
+    PromptTooLong,
+    VlscopeError,
+)
 from .images import load_request_images
 from .metrics import current_rss
 from .request import ChatRequest, TextChunk
 from .scheduler import Job
 from .store import MetricsStore
-from .trace import (CANCELLED, DECODE, ERROR, LOAD_IMAGES, OK, REFUSED, SERVER_FIRST_TOKEN, UPLOAD,
-                    RequestTrace)
+from .trace import (
+    CANCELLED,
+    DECODE,
+    ERROR,
+    LOAD_IMAGES,
+    OK,
+    REFUSED,
+    SERVER_FIRST_TOKEN,
+    UPLOAD,
+    RequestTrace,
+)
 
 log = logging.getLogger(__name__)
 

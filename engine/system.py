@@ -133,3 +133,36 @@ def advice_for(report: SystemReport) -> list[str]:
     if report.memory_total_bytes < weights_fp32 * 1.3:
         tips.append("Memory is tight for float32 weights (~9.8 GB): prefer bfloat16 or int8.")
     return tips
+
+
+# Shapes of Qwen3-VL-2B's language model: an MLP projection, a prefill-sized block of rows and one decode token.
+# Kept small enough to finish in seconds where bfloat16 is emulated (about 0.5 s per 256-row product there).
+HIDDEN, INTERMEDIATE, PREFILL_ROWS = 2048, 6144, 128
+
+
+def best_seconds(fn, repeats: int) -> float:
+    """The fastest of `repeats` timed calls, after one untimed call."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+@functools.cache
+def bfloat16_matmul_is_faster(threads: int) -> bool:
+    """A prefill-sized product in each dtype, timed now (well under a second even where bfloat16 is emulated).
+    Cached per thread count: the answer is a property of the CPU, asked at every model load."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        rows, weight = torch.randn(PREFILL_ROWS, HIDDEN), torch.randn(HIDDEN, HIDDEN)  # nn.Linear's layout
+        with torch.inference_mode():
+            fp32 = best_seconds(lambda: torch.nn.functional.linear(rows, weight), 3)
+            rows, weight = rows.bfloat16(), weight.bfloat16()
+            bf16 = best_seconds(lambda: torch.nn.functional.linear(rows, weight), 3)
+    finally:
+        torch.set_num_threads(previous)
+    return bf16 < fp32

@@ -4,15 +4,15 @@ import json
 
 import streamlit as st
 
-from engine.advisor import advise
-from engine.bench import (cases_table, default_images_dir, markdown_report, reference_result, report_figure,
+from bench.advisor import advise
+from bench.harness import (cases_table, default_images_dir, markdown_report, reference_result, report_figure,
                           sweep_on_engine)
 from engine.config import PROJECT_DIR
 from ui.engine_resource import get_engine
 
 st.title("Benchmark")
 st.caption("Measured on this server, now. The full sweep (every precision, the plain-transformers baseline, "
-           "threads, image sizes, drift against float32) runs from the shell: `python -m engine bench`.")
+           "threads, image sizes, drift against float32) runs from the shell: `python -m bench`.")
 
 loaded = get_engine(show_problems=False)
 left, right = st.columns(2)
@@ -58,6 +58,6 @@ if reference is not None:
     st.divider()
     st.subheader(f"Benchmark on record: `{path.relative_to(PROJECT_DIR)}`")
     if not same_cpu:
-        st.info("Measured on a CPU with other instructions than this one: run `python -m engine bench --quick` "
+        st.info("Measured on a CPU with other instructions than this one: run `python -m bench --quick` "
                 "here for this server's own figures.", icon=":material/info:")
     show(json.loads(path.read_text()), "latest_chart")

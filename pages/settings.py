@@ -47,4 +47,4 @@ if submitted:
         st.rerun()
 
 st.subheader("In force")
-st.json({k: v for k, v in vars(current).items()}, expanded=False)
+st.json({k: ("(set)" if k == "remote_api_key" and v else v) for k, v in vars(current).items()}, expanded=False)

@@ -1,7 +1,6 @@
 """Shared fixtures: a tiny Qwen3-VL built once per session from the bundled skeleton, and engines over it."""
 from __future__ import annotations
 
-import os
 import shutil
 import socket
 import sys
@@ -13,11 +12,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from engine import Engine, EngineConfig  # noqa: E402
-from engine.config import SKELETON_DIR  # noqa: E402
+from engine.config import SKELETON_DIR, shared_dir  # noqa: E402
 from engine.model_loading import make_tiny  # noqa: E402
 
 # Real photos and scans beside the checkout (../shared/images), or where VLSCOPE_SHARED points.
-SHARED = Path(os.environ.get("VLSCOPE_SHARED", ROOT.parent / "shared"))
+SHARED = shared_dir()
 IMAGES = SHARED / "images"
 FULL_SKELETON = SHARED / "qwen3-vl-2b" if (SHARED / "qwen3-vl-2b").is_dir() else SKELETON_DIR
 

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible API over real HTTP: uvicorn serving app:app, the official openai client, no mocks."""
+"""The OpenAI-compatible API over real HTTP: uvicorn serving streamlit_app:app, the official openai client, no mocks."""
 from __future__ import annotations
 
 import base64
@@ -23,7 +23,7 @@ def start_server(tiny_model, db, log_path, **env_overrides):
     env = dict(os.environ, VLSCOPE_MODEL=str(tiny_model), VLSCOPE_DB=str(db), VLSCOPE_MAX_NEW_TOKENS="16",
                **env_overrides)
     log = open(log_path, "w")
-    process = subprocess.Popen([sys.executable, "-m", "uvicorn", "app:app", "--host", "127.0.0.1", "--port", str(port)],
+    process = subprocess.Popen([sys.executable, "-m", "uvicorn", "streamlit_app:app", "--host", "127.0.0.1", "--port", str(port)],
                                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120

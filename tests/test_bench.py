@@ -5,8 +5,8 @@ import json
 import subprocess
 import sys
 
-from engine.advisor import advise
-from engine.bench import (Case, bench_image, execution_order, plan, reference_result, run_baseline_case,
+from bench.advisor import advise
+from bench.harness import (Case, bench_image, execution_order, plan, reference_result, run_baseline_case,
                           run_engine_case)
 from engine.system import system_report
 
@@ -21,7 +21,7 @@ def test_quick_bench_writes_json_markdown_and_html(tiny_model, images_dir, tmp_p
     other, url = start_server(tiny_model, tmp_path / "other.db", tmp_path / "other.log")
     try:
         run = subprocess.run(
-            [sys.executable, "-m", "engine", "bench", "--quick", "--model", str(tiny_model), "--images",
+            [sys.executable, "-m", "bench", "--quick", "--model", str(tiny_model), "--images",
              str(images_dir), "--out", str(out), "--db", str(tmp_path / "bench.db"), "--repeats", "2",
              "--against", f"{url}/v1"],
             cwd=ROOT, capture_output=True, text=True, timeout=600,
@@ -133,7 +133,7 @@ def test_the_baseline_is_plain_transformers_in_the_weights_dtype(tiny_model, ima
 
 def test_tune_measures_each_option_on_the_same_tokens(tiny_model, images_dir):
     from engine.config import EngineConfig
-    from engine.tuning import markdown, tune
+    from bench.tune import markdown, tune
 
     lines: list[str] = []
     trials = tune(EngineConfig(model=str(tiny_model), threads=1, warmup=False), images_dir / "coffee.png",

@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 
 from engine import MetricsStore
+from engine.config import chromium_binary
 
 from .conftest import ROOT, free_port
 
-CHROMIUM = os.environ.get("VLSCOPE_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM = chromium_binary()
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync"]
 
@@ -28,7 +29,7 @@ def server(tiny_model, tmp_path):
                VLSCOPE_MAX_NEW_TOKENS="24")
     log = open(tmp_path / "streamlit.log", "w")
     process = subprocess.Popen(
-        [sys.executable, "-m", "streamlit", "run", "app.py", "--server.port", str(port),
+        [sys.executable, "-m", "streamlit", "run", "streamlit_app.py", "--server.port", str(port),
          "--server.address", "127.0.0.1", "--server.headless", "true"],
         cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
     )
@@ -81,7 +82,7 @@ def test_upload_ask_stream_and_profile(server, images_dir, tmp_path):
         expect(chart).to_be_visible(timeout=30_000)
         expect(chart.get_by_text(record.id[:6])).to_be_visible(timeout=30_000)  # that request's bar
         page.screenshot(path=str(tmp_path / "profiling.png"), full_page=True)
-        # app.py serves the API from the same process: it sees the same, already loaded model
+        # streamlit_app.py serves the API from the same process: it sees the same, already loaded model
         with urllib.request.urlopen(f"{url}/health", timeout=10) as response:
             assert json.loads(response.read())["status"] == "ready"
         if os.environ.get("VLSCOPE_SCREENSHOTS"):

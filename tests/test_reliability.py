@@ -21,8 +21,8 @@ from .test_api import start_server
 
 
 def test_soak_short(tiny_model, tmp_path):
-    """The CI-sized soak: 60 mixed requests from 4 clients; the full run is `python -m engine soak`."""
-    run = subprocess.run([sys.executable, "-m", "engine", "soak", "--model", str(tiny_model), "--requests", "60",
+    """The CI-sized soak: 60 mixed requests from 4 clients; the full run is `python -m bench.soak`."""
+    run = subprocess.run([sys.executable, "-m", "bench.soak", "--model", str(tiny_model), "--requests", "60",
                           "--clients", "4", "--seconds", "300", "--workdir", str(tmp_path)],
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     result = json.loads(run.stdout)
@@ -146,7 +146,7 @@ def test_model_load_failure_api_answers_503(tmp_path):
     (broken / "config.json").write_text("{ this is not json")
     port = free_port()
     log = open(tmp_path / "server.log", "w")
-    process = subprocess.Popen([sys.executable, "-m", "uvicorn", "app:app", "--host", "127.0.0.1", "--port", str(port)],
+    process = subprocess.Popen([sys.executable, "-m", "uvicorn", "streamlit_app:app", "--host", "127.0.0.1", "--port", str(port)],
                                cwd=ROOT, env=dict(os.environ, VLSCOPE_MODEL=str(broken), VLSCOPE_DB=str(tmp_path / "m.db")),
                                stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"

@@ -1,11 +1,12 @@
 """Who may use the app: Streamlit's OIDC sign-in when [auth] is configured in secrets, else an optional shared
-password (VLSCOPE_APP_PASSWORD, or app_password in the [vlscope] secrets table), else open."""
+password (the app_password setting), else open."""
 from __future__ import annotations
 
 import hmac
-import os
 
 import streamlit as st
+
+from .engine_resource import server_settings
 
 
 def _secret(section: str, key: str | None = None):
@@ -16,10 +17,6 @@ def _secret(section: str, key: str | None = None):
         return None
 
 
-def app_password() -> str:
-    return os.environ.get("VLSCOPE_APP_PASSWORD") or str(_secret("vlscope", "app_password") or "")
-
-
 def require_sign_in() -> bool:
     """True when this session may see the app; otherwise draws the sign-in and returns False."""
     if _secret("auth"):
@@ -28,7 +25,7 @@ def require_sign_in() -> bool:
         st.title("vlscope")
         st.button("Log in", key="oidc_login", on_click=st.login, type="primary")
         return False
-    password = app_password()
+    password = server_settings().app_password
     if not password or st.session_state.get("signed_in"):
         return True
     st.title("vlscope")

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +14,7 @@ from pathlib import Path
 import streamlit as st
 
 from engine import SKELETON_DIR, Engine, EngineConfig, MetricsStore, ModelUnavailable
+from engine.config import ServerSettings
 from engine.model_loading import looks_like_hub_id
 from engine.remote import RemoteEngine
 
@@ -31,7 +31,8 @@ class LoadedEngine:
 
 @dataclass
 class EngineSlot:
-    config: EngineConfig  # the settings in force for every session
+    config: EngineConfig  # the engine settings in force for every session (the Settings page may change them)
+    server: ServerSettings  # read at start; fixed for the process
     loaded: LoadedEngine | None = None
     loaded_config: EngineConfig | None = None
     error: str | None = None  # the last load failure for `config`; cleared by a retry
@@ -51,15 +52,12 @@ def engine_slot() -> EngineSlot:
     global _slot
     with _slot_lock:
         if _slot is None:
-            _slot = EngineSlot(configured_settings())
+            settings = configured_settings()
+            _slot = EngineSlot(settings.engine, settings.server)
         return _slot
 
 
-def fallback_model() -> str:
-    return os.environ.get("VLSCOPE_FALLBACK_MODEL") or str(SKELETON_DIR)
-
-
-def build_engine(config: EngineConfig, progress) -> LoadedEngine:
+def build_engine(config: EngineConfig, progress, fallback_model: str = str(SKELETON_DIR)) -> LoadedEngine:
     if config.remote_url:
         return LoadedEngine(RemoteEngine(config, progress=progress), None)
     try:
@@ -69,7 +67,7 @@ def build_engine(config: EngineConfig, progress) -> LoadedEngine:
         # A local folder that is wrong is the operator's mistake to see and fix, so that error is shown instead.
         if Path(config.model).expanduser().exists() or not looks_like_hub_id(config.model):
             raise
-        return LoadedEngine(Engine(config.replace(model=fallback_model()), progress=progress), exc.message)
+        return LoadedEngine(Engine(config.replace(model=fallback_model), progress=progress), exc.message)
 
 
 def _release(slot: EngineSlot) -> None:
@@ -91,7 +89,8 @@ def ensure_loaded(progress=None) -> LoadedEngine | None:
             config = slot.config
             slot.loading = True
             try:
-                slot.loaded, slot.loaded_config = build_engine(config, progress), config
+                slot.loaded = build_engine(config, progress, slot.server.fallback_model)
+                slot.loaded_config = config
             except Exception as exc:  # any load failure is reported; the server keeps serving
                 log.exception("model load failed")
                 slot.error = exc.message if hasattr(exc, "message") else f"{type(exc).__name__}: {exc}"
@@ -132,6 +131,10 @@ def get_engine(show_problems: bool = True) -> LoadedEngine | None:
 
 def current_settings() -> EngineConfig:
     return engine_slot().config
+
+
+def server_settings() -> ServerSettings:
+    return engine_slot().server
 
 
 def apply_settings(config: EngineConfig) -> None:

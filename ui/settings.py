@@ -1,12 +1,10 @@
-"""The app's engine settings: defaults, then .streamlit/secrets.toml ([vlscope] table), then VLSCOPE_* variables."""
+"""The app's settings: engine/config.py's, with the `[vlscope]` table from `st.secrets` (so Streamlit's secrets
+locations and `st.App(secrets=...)` count) in place of the secrets files it reads on its own."""
 from __future__ import annotations
-
-import dataclasses
-import os
 
 import streamlit as st
 
-from engine import EngineConfig
+from engine.config import Settings, load_settings
 
 
 def _secrets() -> dict:
@@ -16,10 +14,5 @@ def _secrets() -> dict:
         return {}
 
 
-def configured_settings() -> EngineConfig:
-    fields = {f.name for f in dataclasses.fields(EngineConfig)}
-    from_secrets = {k: v for k, v in _secrets().items() if k in fields}
-    # Environment variables override secrets: the usual order for a server started by systemd or a container.
-    env = {f"VLSCOPE_{k.upper()}": str(v) for k, v in from_secrets.items()}
-    env.update({k: v for k, v in os.environ.items() if k.startswith("VLSCOPE_")})
-    return EngineConfig.from_env(env)
+def configured_settings() -> Settings:
+    return load_settings(secrets=_secrets())

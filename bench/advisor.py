@@ -4,17 +4,19 @@ float32 stays the default setting; this only recommends, and shows its evidence.
 """
 from __future__ import annotations
 
-import functools
-import time
 from dataclasses import dataclass, field
 
 import torch
 
-from .system import SystemReport, system_report
-
-# Shapes of Qwen3-VL-2B's language model: an MLP projection, a prefill-sized block of rows and one decode token.
-# Kept small enough to finish in seconds where bfloat16 is emulated (about 0.5 s per 256-row product there).
-HIDDEN, INTERMEDIATE, PREFILL_ROWS = 2048, 6144, 128
+from engine.system import (
+    HIDDEN,
+    INTERMEDIATE,
+    PREFILL_ROWS,
+    SystemReport,
+    best_seconds,
+    bfloat16_matmul_is_faster,
+    system_report,
+)
 
 
 @dataclass(frozen=True)
@@ -24,24 +26,14 @@ class PrecisionAdvice:
     evidence: dict = field(default_factory=dict)  # measured GFLOP/s and GB/s per dtype
 
 
-def _best_seconds(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - started)
-    return best
-
-
 def probe(dtype: torch.dtype, layers: int = 4) -> dict:
     """Prefill-like matmul throughput, and decode-like weight streaming over more weights than the caches hold."""
     weights = [torch.randn(INTERMEDIATE, HIDDEN).to(dtype) for _ in range(layers)]
     rows = torch.randn(PREFILL_ROWS, HIDDEN).to(dtype)
     vector = torch.randn(1, HIDDEN).to(dtype)
     with torch.inference_mode():
-        prefill_s = _best_seconds(lambda: [rows @ w.t() for w in weights], 3)
-        decode_s = _best_seconds(lambda: [vector @ w.t() for w in weights], 5)
+        prefill_s = best_seconds(lambda: [rows @ w.t() for w in weights], 3)
+        decode_s = best_seconds(lambda: [vector @ w.t() for w in weights], 5)
     return {
         "prefill_gflops": 2 * PREFILL_ROWS * HIDDEN * INTERMEDIATE * layers / prefill_s / 1e9,
         "decode_weight_gb_per_s": layers * HIDDEN * INTERMEDIATE * weights[0].element_size() / decode_s / 1e9,
@@ -71,20 +63,3 @@ def advise(report: SystemReport | None = None) -> PrecisionAdvice:
                        "(and OCR accuracy with real weights) before switching.")
     return PrecisionAdvice(recommended, tuple(reasons), {"float32": fp32, "bfloat16": bf16, "native_bf16": native,
                                                          "compact_weights_compute": compute})
-
-
-@functools.cache
-def bfloat16_matmul_is_faster(threads: int) -> bool:
-    """A prefill-sized product in each dtype, timed now (well under a second even where bfloat16 is emulated).
-    Cached per thread count: the answer is a property of the CPU, asked at every model load."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        rows, weight = torch.randn(PREFILL_ROWS, HIDDEN), torch.randn(HIDDEN, HIDDEN)  # nn.Linear's layout
-        with torch.inference_mode():
-            fp32 = _best_seconds(lambda: torch.nn.functional.linear(rows, weight), 3)
-            rows, weight = rows.bfloat16(), weight.bfloat16()
-            bf16 = _best_seconds(lambda: torch.nn.functional.linear(rows, weight), 3)
-    finally:
-        torch.set_num_threads(previous)
-    return bf16 < fp32

@@ -1,4 +1,4 @@
-"""`python -m engine tune`: the implementation choices behind the tuned path, each measured on this CPU.
+"""`python -m bench.tune`: the implementation choices behind the tuned path, each measured on this CPU.
 
 Three questions, each answered on the full-size model with one real image through the engine's own stages:
 - attention implementation: PyTorch's fused scaled_dot_product_attention ("sdpa") or transformers' "eager" one,
@@ -10,6 +10,8 @@ wins; docs/tuning.md holds the figures the current choice rests on.
 """
 from __future__ import annotations
 
+import argparse
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,12 +19,14 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache, StaticCache
 
-from .bench import PROMPT
-from .config import EngineConfig
-from .generate import decode_one_token, encode_images, prefill, sample
-from .images import fit_to_budget
-from .model_loading import LoadedModel, load_model
-from .preprocess import single_image_inputs
+from engine.config import DTYPES, EngineConfig
+from engine.generate import decode_one_token, encode_images, prefill, sample
+from engine.images import fit_to_budget
+from engine.model_loading import LoadedModel, load_model
+from engine.preprocess import single_image_inputs
+
+from .cli import fail
+from .harness import PROMPT, default_images_dir, default_model
 
 GREEDY = (0.0, 1.0, torch.Generator())
 
@@ -137,3 +141,40 @@ def markdown(trials: list[Trial], header: str) -> str:
                      f"{trial.decode_ms_per_token:.0f} | {trial.setup_s:.0f} | "
                      f"{'yes' if trial.tokens == default_tokens else 'NO'} |")
     return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.tune",
+                                     description="measure attention implementation, cache kind and torch.compile")
+    parser.add_argument("--model", help="default: as for python -m bench")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32")
+    parser.add_argument("--threads", type=int)
+    parser.add_argument("--image", help="default: coffee.png from the images folder the benchmark uses")
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--out", help="also write the table here (markdown)")
+    args = parser.parse_args(argv)
+    try:
+        config = EngineConfig(model=args.model or default_model(), dtype=args.dtype, threads=args.threads or
+                              EngineConfig().threads, warmup=False)
+    except ValueError as exc:
+        return fail(exc)
+    lines: list[str] = []
+
+    def report(line: str) -> None:
+        lines.append(line)
+        print(line, flush=True)
+
+    image = Path(args.image) if args.image else default_images_dir() / "coffee.png"
+    trials = tune(config, image, new_tokens=args.new_tokens, repeats=args.repeats,
+                  compile_=not args.no_compile, report=report)
+    table = markdown(trials, "# Implementation choices measured by `python -m bench.tune`\n\n" + lines[0])
+    print(table)
+    if args.out:
+        Path(args.out).write_text(table + "\n" + "\n".join(f"    {line}" for line in lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,4 +1,4 @@
-"""`python -m engine bench`: what a request costs on this CPU, per precision, thread count, image size and path.
+"""`python -m bench`: what a request costs on this CPU, per precision, thread count, image size and path.
 
 Every figure is measured in the run: the machine's ceilings (memory bandwidth, matmul rate), vlscope's tuned path,
 a plain transformers baseline, and the numerical drift of each precision against float32. Warm-up runs are
@@ -11,7 +11,6 @@ import datetime as dt
 import gc
 import itertools
 import json
-import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -22,17 +21,17 @@ import numpy as np
 import torch
 from PIL import Image
 
-from .advisor import advise
-from .config import PROJECT_DIR, SKELETON_DIR, EngineConfig
-from .engine import Engine
-from .images import fit_to_budget
-from .metrics import RssSampler
-from .model_loading import has_weights, load_model
-from .preprocess import single_image_inputs
-from .quantize import LINEAR_KINDS
-from .request import ChatRequest, Turn
-from .system import memory_read_gb_per_s, system_report
+from engine.config import PROJECT_DIR, SKELETON_DIR, EngineConfig, shared_dir
+from engine.engine import Engine
+from engine.images import fit_to_budget
+from engine.metrics import RssSampler
+from engine.model_loading import has_weights, load_model
+from engine.preprocess import single_image_inputs
+from engine.quantize import LINEAR_KINDS
+from engine.request import ChatRequest, Turn
+from engine.system import memory_read_gb_per_s, system_report
 
+from .advisor import advise
 
 PROMPT = "Describe this image."
 FOLLOW_UPS = ("What colours stand out?", "Is there any text in it?")
@@ -378,7 +377,7 @@ def _release(engines: dict) -> None:
 
 
 def _connect(url: str, db_path: str):
-    from .remote import RemoteEngine
+    from engine.remote import RemoteEngine
 
     return RemoteEngine(EngineConfig(remote_url=url, db_path=db_path, max_queue=1))
 
@@ -408,7 +407,7 @@ def _run_case(case: Case, model: str, images_dir: Path, threads: int, repeats: i
 
 def default_images_dir() -> Path:
     """The shared folder of real photos and scans beside the project, else the bundled samples."""
-    shared = Path(os.environ.get("VLSCOPE_SHARED", PROJECT_DIR.parent / "shared")) / "images"
+    shared = shared_dir() / "images"
     return shared if shared.is_dir() else PROJECT_DIR / "samples"
 
 

@@ -1,19 +1,22 @@
-"""`python -m engine soak`: a bounded load and fault run against a real vlscope server on localhost.
+"""`python -m bench.soak`: a bounded load and fault run against a real vlscope server on localhost.
 
-Starts `uvicorn app:app` on a free local port, drives concurrent API clients with a mix of good requests, bad
+Starts `uvicorn streamlit_app:app` on a free local port, drives concurrent API clients with a mix of good requests, bad
 images, over-long prompts, cancellations and disconnects, then checks what a hosted server must guarantee:
 every request answered or refused cleanly, memory flat after warm-up, exactly one metrics record per request.
 """
 from __future__ import annotations
 
+import argparse
 import base64
 import io
+import json
 import os
 import random
 import re
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -22,11 +25,11 @@ import httpx
 import numpy as np
 from PIL import Image
 
-from .config import PROJECT_DIR
-from .store import MetricsStore
+from engine.config import PROJECT_DIR, EngineConfig, chromium_binary
+from engine.store import MetricsStore
 
 KINDS = ("good", "good", "good", "bad_image", "too_long", "cancel", "disconnect")
-CHROMIUM = os.environ.get("VLSCOPE_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM = chromium_binary()
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync"]
 
@@ -116,7 +119,7 @@ def soak(model: str, requests: int, clients: int, seconds: float, workdir: Path,
     env = dict(os.environ, VLSCOPE_MODEL=model, VLSCOPE_DB=str(db), VLSCOPE_MAX_NEW_TOKENS="64",
                VLSCOPE_MAX_QUEUE=str(clients + 2), VLSCOPE_MAX_INPUT_TOKENS="4096")
     log = open(workdir / "server.log", "w")
-    server = subprocess.Popen([sys.executable, "-m", "uvicorn", "app:app", "--host", "127.0.0.1", "--port", str(port)],
+    server = subprocess.Popen([sys.executable, "-m", "uvicorn", "streamlit_app:app", "--host", "127.0.0.1", "--port", str(port)],
                               cwd=PROJECT_DIR, env=env, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     outcomes: dict[str, int] = {}
@@ -208,3 +211,29 @@ def soak(model: str, requests: int, clients: int, seconds: float, workdir: Path,
         "health_at_end": health.get("status"),
         "seconds": time.time() - started,
     }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.soak",
+                                     description="bounded load and fault run against a local server")
+    parser.add_argument("--model", help="model for the server (default VLSCOPE_MODEL)")
+    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--clients", type=int, default=4)
+    parser.add_argument("--seconds", type=float, default=1800, help="stop sending after this long")
+    parser.add_argument("--app-sessions", type=int, default=1, help="browser sessions on the chat page (Chromium)")
+    parser.add_argument("--app-chats", type=int, default=3, help="questions each browser session asks")
+    parser.add_argument("--workdir", help="where the server's database and log go (default a temp folder)")
+    args = parser.parse_args(argv)
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="vlscope-soak-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    result = soak(args.model or EngineConfig.from_env().model, args.requests, args.clients, args.seconds, workdir,
+                  report=lambda message: print(message, file=sys.stderr, flush=True),
+                  app_sessions=args.app_sessions, app_chats=args.app_chats)
+    print(json.dumps(result, indent=1))
+    healthy = (result["one_record_per_request"] and result["server_errors"] == 0 and result["rss_growth"] < 0.05
+               and result["health_at_end"] == "ready" and "app:no-answer" not in result["outcomes"])
+    return 0 if healthy else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

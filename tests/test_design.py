@@ -1,0 +1,102 @@
+"""The code's shape, checked: the engine imports nothing above it, and settings are read in one module only."""
+from __future__ import annotations
+
+import ast
+import re
+
+from streamlit.testing.v1 import AppTest
+
+from engine.config import EngineConfig, ServerSettings, load_settings, setting_names
+from ui.engine_resource import shutdown
+
+from .conftest import ROOT
+
+ABOVE_ENGINE = {"ui", "api", "bench", "pages", "app", "streamlit_app", "streamlit"}
+
+
+def _python_files(*folders: str):
+    for folder in folders:
+        yield from sorted((ROOT / folder).rglob("*.py")) if folder else sorted(ROOT.glob("*.py"))
+
+
+def test_engine_is_the_inference_core_and_imports_nothing_above_it():
+    for path in _python_files("engine"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                     else [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+            for name in names:
+                assert name.split(".")[0] not in ABOVE_ENGINE, f"{path.relative_to(ROOT)} imports {name}"
+        assert "app:app" not in path.read_text(), path
+    assert not {"bench.py", "tuning.py", "soak.py", "advisor.py"} & {p.name for p in (ROOT / "engine").iterdir()}
+
+
+def _reads_vlscope_variable(node: ast.AST) -> bool:
+    """os.environ["VLSCOPE_X"], os.environ.get("VLSCOPE_X") or os.getenv("VLSCOPE_X")."""
+    def vlscope_constant(value):
+        return isinstance(value, ast.Constant) and isinstance(value.value, str) and value.value.startswith("VLSCOPE_")
+    if isinstance(node, ast.Subscript) and "environ" in ast.unparse(node.value):
+        return vlscope_constant(node.slice)
+    if isinstance(node, ast.Call) and re.search(r"environ\.get|getenv", ast.unparse(node.func)):
+        return bool(node.args) and vlscope_constant(node.args[0])
+    return False
+
+
+def test_no_module_but_the_settings_module_reads_vlscope_variables():
+    readers = [str(path.relative_to(ROOT)) for path in _python_files("", "engine", "api", "ui", "pages", "bench")
+               if any(_reads_vlscope_variable(node) for node in ast.walk(ast.parse(path.read_text())))]
+    assert readers == ["engine/config.py"]
+
+
+def test_the_readme_documents_exactly_the_settings_there_are():
+    table = [line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| `VLSCOPE_")]
+    documented = {name for line in table for name in re.findall(r"`(VLSCOPE_\w+)`", line.split("|")[1])}
+    names = set(setting_names()) - {"VLSCOPE_DB_PATH"} | {"VLSCOPE_DB"}  # the database's shorter name
+    assert documented == names
+
+
+def _sample_value(field_type: str, default):
+    """A valid value unlike the default, as a secrets file would hold it."""
+    if field_type == "bool":
+        return not default
+    if field_type == "int":
+        return default + 7 if default else 3
+    if field_type == "float":
+        return 0.5
+    if field_type.startswith("tuple"):
+        return ["first", "second"]
+    return f"{default}-changed" if default else "changed"
+
+
+def test_every_setting_takes_effect_from_secrets_and_the_environment_wins():
+    import dataclasses
+
+    special = {"dtype": "int8", "compute_dtype": "float32", "kernels": "plain", "min_pixels": 4096,
+               "max_pixels": 2_000_000, "temperature": 0.7, "top_p": 0.5}
+    for cls, part in ((EngineConfig, "engine"), (ServerSettings, "server")):
+        for field in dataclasses.fields(cls):
+            default = getattr(cls(), field.name)
+            value = special.get(field.name, _sample_value(field.type, default))
+            settings = getattr(load_settings(env={}, secrets={field.name: value}), part)
+            expected = tuple(value) if isinstance(value, list) else value
+            assert getattr(settings, field.name) == expected != default, field.name
+    both = load_settings(env={"VLSCOPE_MAX_QUEUE": "5"}, secrets={"max_queue": 2})
+    assert both.engine.max_queue == 5
+
+
+def test_the_app_reads_its_settings_from_st_secrets(tiny_model, tmp_path, monkeypatch):
+    monkeypatch.delenv("VLSCOPE_APP_PASSWORD", raising=False)
+    shutdown()
+    try:
+        at = AppTest.from_file(str(ROOT / "streamlit_app.py"), default_timeout=120)
+        at.secrets["vlscope"] = {"model": str(tiny_model), "db_path": str(tmp_path / "s.db"), "warmup": False,
+                                 "app_password": "sesame", "max_new_tokens": 7}
+        at.run()
+        assert at.text_input(key="sign_in_password")  # the password from secrets guards the app
+        at.text_input(key="sign_in_password").set_value("sesame")
+        at.button(key="sign_in_submit").click().run()
+        assert not at.exception
+        at.switch_page("pages/settings.py").run()
+        assert at.number_input(key="set_max_new").value == 7
+    finally:
+        shutdown()
