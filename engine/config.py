@@ -63,6 +63,8 @@ class EngineConfig:
     # Refuse images larger than this before decoding them (decompression bombs).
     max_image_pixels: int = 64_000_000
     max_image_bytes: int = 50 * 1024 * 1024
+    # All images of one request together, read from their headers before any is decoded.
+    max_request_pixels: int = 128_000_000
     # Memory a request may use beyond the weights; 0: whatever the machine has available when it starts.
     memory_limit_bytes: int = 0
     # A remote OpenAI-compatible server instead of a local model (e.g. http://host:8000/v1): vLLM, llama.cpp,
@@ -115,8 +117,22 @@ class ServerSettings:
     # Hosts the API may fetch http(s) image URLs from; empty: images come only as data: URLs.
     api_image_hosts: tuple[str, ...] = ()
     api_max_body_bytes: int = 64 * 1024 * 1024
+    # Image URLs from the allowed hosts may resolve to loopback, private or link-local addresses (off: refused, so
+    # a redirect or a DNS answer cannot point the server at its own network).
+    api_image_private_networks: bool = False
+    api_image_fetch_seconds: float = 10.0  # one image URL's whole fetch, redirects included
+    # vLLM's `ignore_eos` for API clients: a request that ignores end tokens holds the worker for max_tokens.
+    api_allow_ignore_eos: bool = False
+    # Host header values the API answers besides this machine's names and IP literals (DNS rebinding guard).
+    allowed_hosts: tuple[str, ...] = ()
+    # Web origins (https://tool.example) whose pages may call the API from a browser; others are refused.
+    allowed_origins: tuple[str, ...] = ()
     # A shared password for the app, for a small team without an OIDC provider.
     app_password: str = ""
+    # Who may change the Settings page when sign-in is on: signed-in users with these emails (OIDC), or anyone who
+    # enters the admin password. With sign-in off, everyone who reaches the app is an admin.
+    admins: tuple[str, ...] = ()
+    admin_password: str = ""
     # What the app loads when the configured hub model cannot be reached.
     fallback_model: str = str(SKELETON_DIR)
 

@@ -230,10 +230,10 @@ class Engine(StreamingMixin):
         job.trace = trace = RequestTrace(job, self.info, self.config, self.store)
         try:
             with trace.stage(LOAD_IMAGES, announce=False):
-                job.images = load_request_images(request, self.config)
+                job.images = load_request_images(request, self.config, admit=self._queue.check_room)
             job.on_cancel = self._on_cancel
             self._queue.submit(job)
-        except (InvalidImage, Busy) as exc:
+        except (InvalidImage, PromptTooLong, Busy) as exc:
             trace.finish(REFUSED, exc)
             raise
         return RequestHandle(job)

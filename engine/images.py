@@ -7,15 +7,18 @@ from __future__ import annotations
 import hashlib
 import io
 import math
+import threading
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 from PIL import Image, ImageFile, ImageFilter, ImageOps, UnidentifiedImageError
 
 from .config import PIXELS_PER_VISION_TOKEN
-from .errors import InvalidImage
+from .errors import InvalidImage, PromptTooLong
 
 # Truncated files are refused, never padded with grey.
 ImageFile.LOAD_TRUNCATED_IMAGES = False
@@ -63,32 +66,80 @@ def _read_source(source, max_bytes: int) -> tuple[bytes | None, Image.Image | No
     return data, None, name
 
 
-def load_image(source, *, max_pixels: int, max_bytes: int, name: str | None = None) -> LoadedImage:
-    """Decode, validate and convert one image. Raises InvalidImage with a readable reason, naming `name`."""
+@dataclass
+class ImageHeader:
+    """What an image file says about itself before any pixel is decoded."""
+
+    name: str
+    size: tuple[int, int]  # (width, height) as stored
+    format: str
+    data: bytes | None  # the file's bytes; None for a PIL image handed in
+    image: Image.Image  # opened, not decoded
+
+
+# One image decodes at a time in the whole process: concurrent requests cannot multiply the peak of a large one.
+_DECODE_LOCK = threading.Lock()
+
+
+def read_header(source, *, max_pixels: int, max_bytes: int, name: str | None = None) -> ImageHeader:
+    """Open an image and check what its header declares (size, aspect, pixel count), decoding nothing. Raises
+    InvalidImage with a readable reason, naming `name`."""
     data, image, source_name = _read_source(source, max_bytes)
     name = name or source_name
+    with _readable(name, max_pixels):
+        if image is None:
+            image = Image.open(io.BytesIO(data))  # reads the header only
+        width, height = image.size
+        if width <= 0 or height <= 0:
+            raise InvalidImage(f"{name}: the image has zero size")
+        # Checked before decoding, so a small file that expands to gigabytes is never decoded.
+        if width * height > max_pixels:
+            raise InvalidImage(
+                f"{name}: {width}x{height} is {width * height / 1e6:.0f} megapixels, over the "
+                f"{max_pixels / 1e6:.0f} megapixel limit"
+            )
+        if max(width, height) / min(width, height) > MAX_ASPECT_RATIO:
+            raise InvalidImage(f"{name}: aspect ratio {width}x{height} is too extreme (over {MAX_ASPECT_RATIO}:1)")
+        return ImageHeader(name, (width, height), image.format or "unknown", data, image)
+
+
+def decode(header: ImageHeader, budget_pixels: int | None = None) -> LoadedImage:
+    """Decode one image to RGB (EXIF orientation applied). With `budget_pixels` (what the model will see), an image
+    far larger is decoded smaller where the format allows it (JPEG's DCT scaling) and reduced right after decoding,
+    before it is widened to RGB, so its full-size RGB copy never exists; it keeps at least twice the budget's side."""
+    image, name = header.image, header.name
+    width, height = header.size
+    with _DECODE_LOCK, _readable(name, width * height):
+        if getattr(image, "n_frames", 1) > 1:
+            image.seek(0)  # animated: the first frame
+        factor = 1
+        if budget_pixels:
+            factor = int(math.sqrt(width * height / budget_pixels) / 2)
+        if factor > 1 and header.format == "JPEG":
+            image.draft(image.mode, (width // factor, height // factor))
+        image.load()
+        if factor > 1:
+            if image.mode in ("1", "P"):
+                image = image.convert("L" if image.mode == "1" else "RGBA")
+            factor = int(math.sqrt(image.width * image.height / budget_pixels) / 2)  # after any draft
+            if factor > 1:
+                try:
+                    image = image.reduce(factor)
+                except ValueError:  # a mode reduce() does not take (16-bit greys): decoded at full size
+                    pass
+        image = ImageOps.exif_transpose(image)
+        rgb = to_rgb(image)
+    digest = hashlib.sha256(header.data if header.data is not None else rgb.tobytes()).hexdigest()
+    return LoadedImage(image=rgb, original_size=header.size, format=header.format, sha256=digest)
+
+
+@contextmanager
+def _readable(name: str, max_pixels: int):
+    """Any decoder failure becomes InvalidImage naming the image: bad input, never a server fault."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            if image is None:
-                image = Image.open(io.BytesIO(data))  # reads the header only
-            width, height = image.size
-            if width <= 0 or height <= 0:
-                raise InvalidImage(f"{name}: the image has zero size")
-            # Checked before decoding, so a small file that expands to gigabytes is never decoded.
-            if width * height > max_pixels:
-                raise InvalidImage(
-                    f"{name}: {width}x{height} is {width * height / 1e6:.0f} megapixels, over the "
-                    f"{max_pixels / 1e6:.0f} megapixel limit"
-                )
-            if max(width, height) / min(width, height) > MAX_ASPECT_RATIO:
-                raise InvalidImage(f"{name}: aspect ratio {width}x{height} is too extreme (over {MAX_ASPECT_RATIO}:1)")
-            image_format = image.format or "unknown"
-            if getattr(image, "n_frames", 1) > 1:
-                image.seek(0)  # animated: the first frame
-            image.load()
-            image = ImageOps.exif_transpose(image)
-            rgb = to_rgb(image)
+            yield
     except InvalidImage:
         raise
     except UnidentifiedImageError:
@@ -103,15 +154,34 @@ def load_image(source, *, max_pixels: int, max_bytes: int, name: str | None = No
         raise InvalidImage(f"{name}: not enough memory to decode this image") from None
     except Exception as exc:  # any other decoder failure is still bad input, not a server fault
         raise InvalidImage(f"{name}: the image could not be decoded ({type(exc).__name__}: {exc})") from None
-    digest = hashlib.sha256(data if data is not None else rgb.tobytes()).hexdigest()
-    return LoadedImage(image=rgb, original_size=(width, height), format=image_format, sha256=digest)
 
 
-def load_request_images(request, config) -> list[LoadedImage]:
-    """Every image of a conversation, earlier turns first, checked against the configured limits."""
+def load_image(source, *, max_pixels: int, max_bytes: int, name: str | None = None) -> LoadedImage:
+    """Check and decode one image at full size. Raises InvalidImage with a readable reason, naming `name`."""
+    return decode(read_header(source, max_pixels=max_pixels, max_bytes=max_bytes, name=name))
+
+
+def load_request_images(request, config, admit: Callable[[], None] | None = None) -> list[LoadedImage]:
+    """Every image of a conversation, earlier turns first. The request is admitted from the images' headers before
+    any is decoded: each image's and the request's pixels, its vision tokens against the prompt limit, and then
+    `admit()` (the queue's room, say), which raises to turn it away. Then one image at a time is decoded, at the size
+    the token budget allows."""
     sources = [source for turn in request.history for source in turn.images] + list(request.images)
-    return [load_image(source, max_pixels=config.max_image_pixels, max_bytes=config.max_image_bytes)
-            for source in sources]
+    headers = [read_header(source, max_pixels=config.max_image_pixels, max_bytes=config.max_image_bytes)
+               for source in sources]
+    total = sum(width * height for width, height in (header.size for header in headers))
+    if total > config.max_request_pixels:
+        raise InvalidImage(f"the request's {len(headers)} images hold {total / 1e6:.0f} megapixels together, over "
+                           f"the {config.max_request_pixels / 1e6:.0f} megapixel limit per request")
+    sizes = [fit_to_budget(*header.size, config.min_pixels, config.max_pixels) for header in headers]
+    # Two tokens per image mark where it starts and ends: a lower bound of the prompt before any text.
+    least = sum(vision_token_count(size) + 2 for size in sizes)
+    if least > config.max_input_tokens:
+        raise PromptTooLong(f"The images alone take {least} tokens; the prompt limit is {config.max_input_tokens}. "
+                            "Send fewer or smaller images, or lower the image token budget.")
+    if admit is not None:
+        admit()
+    return [decode(header, config.max_pixels) for header in headers]
 
 
 def to_rgb(image: Image.Image) -> Image.Image:

@@ -77,14 +77,11 @@ class RemoteEngine(StreamingMixin):
         job.trace = trace = RequestTrace(job, self.info, self.config, self.store)
         try:
             with trace.stage(LOAD_IMAGES, announce=False):
-                job.images = load_request_images(request, self.config)
+                job.images = load_request_images(request, self.config, admit=self._check_room)
             with self._lock:
-                # The same bound as the local queue: one running, max_queue waiting (at the remote server).
-                if self._in_flight > self.config.max_queue:
-                    raise Busy(f"{self._in_flight} requests are in flight to the remote server, the limit is "
-                               f"{self.config.max_queue + 1}. Try again in a moment.")
+                self._check_room()
                 self._in_flight += 1
-        except (InvalidImage, Busy) as exc:
+        except (InvalidImage, PromptTooLong, Busy) as exc:
             trace.finish(REFUSED, exc)
             raise
         threading.Thread(target=self._run, args=(job,), name="vlscope-remote", daemon=True).start()
@@ -92,6 +89,12 @@ class RemoteEngine(StreamingMixin):
 
     def close(self) -> None:
         self._client.close()
+
+    def _check_room(self) -> None:
+        """The same bound as the local queue: one running, max_queue waiting (here, at the remote server)."""
+        if self._in_flight > self.config.max_queue:
+            raise Busy(f"{self._in_flight} requests are in flight to the remote server, the limit is "
+                       f"{self.config.max_queue + 1}. Try again in a moment.")
 
     # ---- internals ----------------------------------------------------------------------------------------------
 

@@ -62,7 +62,8 @@ class RequestQueue:
         with self._condition:
             return len(self._waiting) + (self._running is not None)
 
-    def submit(self, job: Job) -> None:
+    def check_room(self) -> None:
+        """Raise Busy if a request submitted now would be turned away (before its images are decoded)."""
         with self._condition:
             if self._closed:
                 raise Busy("the engine is shutting down")
@@ -72,6 +73,10 @@ class RequestQueue:
                     f"The server is busy: {len(self._waiting) + 1} requests are ahead and the queue holds "
                     f"{self.max_waiting}. Try again in a moment."
                 )
+
+    def submit(self, job: Job) -> None:
+        with self._condition:
+            self.check_room()  # again: another request may have taken the room while this one's images decoded
             job.enqueued_perf = time.perf_counter()
             self._waiting.append(job)
             self._tell_positions()
