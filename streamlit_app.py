@@ -29,6 +29,12 @@ if __name__ == "__main__":
 else:
     # Imported by `streamlit run` (which finds this App and serves it) or by uvicorn: the server itself, with the
     # API's routes beside the UI and the model loading at start-up.
-    from api.routes import lifespan, routes
+    from starlette.middleware import Middleware
 
-    app = st.App(__file__, routes=routes, lifespan=lifespan)
+    from api.guard import ServerGuard
+    from api.routes import lifespan, refuse, routes
+    from ui.access import session_signed_in
+    from ui.engine_resource import server_settings
+
+    app = st.App(__file__, routes=routes, lifespan=lifespan, middleware=[
+        Middleware(ServerGuard, settings=server_settings, signed_in=session_signed_in, refuse=refuse)])

@@ -1,11 +1,7 @@
 """OpenAI chat-completions requests to engine requests, and engine results back to OpenAI's response shapes."""
 from __future__ import annotations
 
-import base64
-import binascii
-import urllib.request
 from pathlib import Path
-from urllib.parse import urlparse
 
 from engine import ChatRequest, RequestMetrics, Turn
 
@@ -18,6 +14,7 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.error_type, self.code, self.retry_after, self.param = (
             status, message, error_type, code, retry_after, param)
+        self.recorded = False  # True when an engine already stored the request's record
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
@@ -27,37 +24,7 @@ def unsupported(param: str, message: str) -> ApiError:
     return ApiError(400, message, code="unsupported_parameter", param=param)
 
 
-def image_bytes(url: str, allowed_hosts: frozenset[str], max_bytes: int) -> bytes:
-    """A data: URL's bytes; an http(s) URL only from an allowed host. Nothing else is read: an API that opens
-    any path or URL it is given discloses the server's files and reaches its network."""
-    if url.startswith("data:"):
-        header, _, payload = url.partition(",")
-        if ";base64" not in header:
-            raise ApiError(400, "image data URLs must be base64 encoded (data:image/png;base64,...)", code="invalid_image")
-        try:
-            data = base64.b64decode(payload, validate=True)
-        except (binascii.Error, ValueError):
-            raise ApiError(400, "the image data URL is not valid base64", code="invalid_image") from None
-        if len(data) > max_bytes:
-            raise ApiError(413, f"an image is over the {max_bytes // 1_000_000} MB limit", code="image_too_large")
-        return data
-    parsed = urlparse(url)
-    if parsed.scheme in ("http", "https"):
-        if parsed.hostname not in allowed_hosts:
-            raise ApiError(400, "remote image URLs are refused: send the image as a data: URL, or allow its host "
-                                "in VLSCOPE_API_IMAGE_HOSTS", code="image_url_not_allowed")
-        try:
-            with urllib.request.urlopen(url, timeout=10) as response:  # noqa: S310 - host checked above
-                data = response.read(max_bytes + 1)
-        except OSError as exc:
-            raise ApiError(400, f"could not fetch the image: {exc}", code="invalid_image") from None
-        if len(data) > max_bytes:
-            raise ApiError(413, f"an image is over the {max_bytes // 1_000_000} MB limit", code="image_too_large")
-        return data
-    raise ApiError(400, "image_url must be a data: URL (file paths are never read)", code="image_url_not_allowed")
-
-
-def _content(content, allowed_hosts, max_image_bytes) -> tuple[str, tuple[bytes, ...]]:
+def _content(content, fetch_image) -> tuple[str, tuple[bytes, ...]]:
     if isinstance(content, str):
         return content, ()
     if not isinstance(content, list):
@@ -72,7 +39,7 @@ def _content(content, allowed_hosts, max_image_bytes) -> tuple[str, tuple[bytes,
             url = source.get("url") if isinstance(source, dict) else source
             if not isinstance(url, str):
                 raise ApiError(400, "image_url parts need an image_url.url string")
-            images.append(image_bytes(url, allowed_hosts, max_image_bytes))
+            images.append(fetch_image(url))
         else:
             raise ApiError(400, f"unsupported content part {kind!r}: use text and image_url parts")
     return "\n".join(texts), tuple(images)
@@ -125,7 +92,9 @@ def check_unsupported(body: dict) -> None:
         raise unsupported("response_format", "only response_format {\"type\": \"text\"} is supported")
 
 
-def to_chat_request(body: dict, allowed_hosts: frozenset[str], max_image_bytes: int, max_tokens_cap: int) -> ChatRequest:
+def to_chat_request(body: dict, fetch_image, max_tokens_cap: int, allow_ignore_eos: bool) -> ChatRequest:
+    """The engine request an OpenAI body stands for. `fetch_image(url)` gives an image_url's bytes; `max_tokens_cap`
+    is the server's answer length cap; ignore_eos is refused unless the operator allows it."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     check_unsupported(body)
@@ -137,15 +106,19 @@ def to_chat_request(body: dict, allowed_hosts: frozenset[str], max_image_bytes: 
         if not isinstance(message, dict) or message.get("role") not in ROLES:
             raise ApiError(400, "each message needs a role of system, developer, user or assistant", param="messages")
         role = ROLES[message["role"]]
-        text, images = _content(message.get("content", ""), allowed_hosts, max_image_bytes)
+        text, images = _content(message.get("content", ""), fetch_image)
         if images and role != "user":
             raise ApiError(400, "only user messages may carry images", param="messages")
         parsed.append((role, text, images))
     role, prompt, images = parsed[-1]
     if role != "user":
         raise ApiError(400, "the last message must come from the user", param="messages")
-    max_tokens = _number(body, "max_completion_tokens", int, 1, max_tokens_cap)
-    max_tokens = max_tokens or _number(body, "max_tokens", int, 1, max_tokens_cap)
+    max_tokens = _max_tokens(body, "max_completion_tokens", max_tokens_cap)
+    max_tokens = max_tokens or _max_tokens(body, "max_tokens", max_tokens_cap)
+    ignore_eos = _flag(body, "ignore_eos")  # vLLM's extension, for fixed-length benchmarks
+    if ignore_eos and not allow_ignore_eos:
+        raise ApiError(400, "ignore_eos is not enabled on this server (VLSCOPE_API_ALLOW_IGNORE_EOS)",
+                       code="unsupported_parameter", param="ignore_eos")
     top_logprobs = _number(body, "top_logprobs", int, 0, 20)
     if _flag(body, "logprobs"):
         top_logprobs = top_logprobs or 0
@@ -155,12 +128,20 @@ def to_chat_request(body: dict, allowed_hosts: frozenset[str], max_image_bytes: 
         prompt=prompt, images=images, history=tuple(Turn(r, t, i) for r, t, i in parsed[:-1]),
         max_new_tokens=max_tokens, temperature=_number(body, "temperature", float, 0, 2),
         top_p=_number(body, "top_p", float, 0, 1, inclusive_low=False), source="api",
-        ignore_eos=_flag(body, "ignore_eos"),  # vLLM's extension, for fixed-length benchmarks
+        ignore_eos=ignore_eos,
         stop=_stop(body.get("stop")), seed=_number(body, "seed", int, -2**63, 2**64 - 1),
         presence_penalty=_number(body, "presence_penalty", float, -2, 2) or 0.0,
         frequency_penalty=_number(body, "frequency_penalty", float, -2, 2) or 0.0,
         logit_bias=_logit_bias(body.get("logit_bias")), top_logprobs=top_logprobs,
     )
+
+
+def _max_tokens(body: dict, name: str, cap: int) -> int | None:
+    value = _number(body, name, int, 1, 2**31)
+    if value is not None and value > cap:
+        raise ApiError(400, f"{name} is {value}; this server answers at most {cap} tokens (VLSCOPE_MAX_NEW_TOKENS)",
+                       code="invalid_value", param=name)
+    return value
 
 
 def _stop(value) -> tuple[str, ...]:

@@ -1,10 +1,16 @@
-"""GET /metrics in Prometheus' text format, from the metrics database and the live process."""
+"""GET /metrics in Prometheus' text format, from the metrics database and the live process.
+
+Counters are kept as requests finish: each scrape reads only the records written since the one before, so a scrape
+costs the same at 50,000 stored records as at 50."""
 from __future__ import annotations
 
-from engine import STAGES, MetricsStore
+import threading
+
+from engine import STAGES, MetricsStore, RequestMetrics
 from engine.metrics import current_rss
 
 BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+SERIES = STAGES + ("ttft", "e2e")
 
 
 def _labels(**labels) -> str:
@@ -12,26 +18,55 @@ def _labels(**labels) -> str:
     return "{" + inner + "}" if inner else ""
 
 
+class Counters:
+    """Request counts and stage histograms of one metrics database, folded in as records arrive."""
+
+    def __init__(self):
+        self.row = 0  # the newest row of the database already counted
+        self.requests: dict[tuple[str, str], int] = {}
+        self.buckets = {series: [0] * len(BUCKETS) for series in SERIES}
+        self.sums = dict.fromkeys(SERIES, 0.0)
+        self.counts = dict.fromkeys(SERIES, 0)
+        self.lock = threading.Lock()
+
+    def fold(self, store: MetricsStore) -> None:
+        with self.lock:
+            records, self.row = store.finished_since(self.row)
+            for record in records:
+                if not record.warmup:
+                    self._add(record)
+
+    def _add(self, record: RequestMetrics) -> None:
+        key = (record.status, record.source)
+        self.requests[key] = self.requests.get(key, 0) + 1
+        for series in SERIES:
+            value = record.ttft_s if series == "ttft" else record.e2e_s if series == "e2e" else record.stages.get(series)
+            if value is None:
+                continue
+            self.sums[series] += value
+            self.counts[series] += 1
+            for index, bound in enumerate(BUCKETS):
+                if value <= bound:
+                    self.buckets[series][index] += 1
+
+
+_counters: dict[str, Counters] = {}
+
+
 def render(store: MetricsStore, queue_depth: int, weight_bytes: int, ready: bool) -> str:
-    records = [r for r in store.between(0) if not r.warmup]
+    counters = _counters.setdefault(str(store.path), Counters())
+    counters.fold(store)
     lines = ["# HELP vlscope_requests_total Requests recorded, by status and source.",
              "# TYPE vlscope_requests_total counter"]
-    counts: dict[tuple[str, str], int] = {}
-    for record in records:
-        counts[(record.status, record.source)] = counts.get((record.status, record.source), 0) + 1
-    for (status, source), count in sorted(counts.items()):
+    for (status, source), count in sorted(counters.requests.items()):
         lines.append(f"vlscope_requests_total{_labels(status=status, source=source)} {count}")
     lines += ["# HELP vlscope_stage_seconds Seconds per request stage.", "# TYPE vlscope_stage_seconds histogram"]
-    for stage in STAGES + ("ttft", "e2e"):
-        values = [r.ttft_s if stage == "ttft" else r.e2e_s if stage == "e2e" else r.stages.get(stage)
-                  for r in records]
-        values = [v for v in values if v is not None]
-        for bound in BUCKETS:
-            lines.append(f"vlscope_stage_seconds_bucket{_labels(stage=stage, le=bound)} "
-                         f"{sum(v <= bound for v in values)}")
-        lines.append(f"vlscope_stage_seconds_bucket{_labels(stage=stage, le='+Inf')} {len(values)}")
-        lines.append(f"vlscope_stage_seconds_sum{_labels(stage=stage)} {sum(values)}")
-        lines.append(f"vlscope_stage_seconds_count{_labels(stage=stage)} {len(values)}")
+    for series in SERIES:
+        for bound, count in zip(BUCKETS, counters.buckets[series]):
+            lines.append(f"vlscope_stage_seconds_bucket{_labels(stage=series, le=bound)} {count}")
+        lines.append(f"vlscope_stage_seconds_bucket{_labels(stage=series, le='+Inf')} {counters.counts[series]}")
+        lines.append(f"vlscope_stage_seconds_sum{_labels(stage=series)} {counters.sums[series]}")
+        lines.append(f"vlscope_stage_seconds_count{_labels(stage=series)} {counters.counts[series]}")
     lines += [
         "# HELP vlscope_rss_bytes Resident memory of the server process.", "# TYPE vlscope_rss_bytes gauge",
         f"vlscope_rss_bytes {current_rss()}",

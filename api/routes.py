@@ -16,10 +16,12 @@ from starlette.routing import Route
 
 from engine import (Busy, InsufficientMemory, InvalidImage, PromptTooLong, RequestMetrics, StageStarted, TextChunk,
                     VlscopeError)
-from engine.trace import PREFILL, VISION_ENCODE
+from engine.trace import PREFILL, VISION_ENCODE, refusal_record
+from ui.access import exposed_without_sign_in
 from ui.engine_resource import engine_slot, ensure_loaded, get_store, server_settings, shutdown
 
 from . import prometheus
+from .image_fetch import ImageFetcher
 from .openai_format import (ApiError, chunk, completion, finish_reason, logprobs_content, model_entry, public_metrics,
                             served_model_name, stream_settings, to_chat_request, usage)
 
@@ -33,6 +35,9 @@ async def lifespan(app):
     """The server's life: the model loads at start-up, in the background, so the API is ready without anyone
     opening the UI first; the engine closes at shutdown."""
     threading.Thread(target=ensure_loaded, name="vlscope-load", daemon=True).start()
+    if exposed_without_sign_in():
+        log.warning("vlscope is open: it may listen beyond loopback and neither API keys nor an app sign-in are "
+                    "set. Anyone who reaches this port can use the model. See README, Hosting.")
     yield
     shutdown()
 
@@ -40,6 +45,28 @@ async def lifespan(app):
 def error_response(error: ApiError) -> JSONResponse:
     headers = {"Retry-After": str(error.retry_after)} if error.retry_after else None
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
+async def refuse(error: ApiError, path: str = "") -> JSONResponse:
+    """The error's response, after recording the refusal (its kind and message, never the body or the key) unless an
+    engine already recorded the request."""
+    if not error.recorded:
+        source = "app" if path.startswith("/_stcore/") else "api"
+        record = refusal_record(engine_slot().config, _model_name(), source, error.code or error.error_type,
+                                error.message)
+        await anyio.to_thread.run_sync(get_store().add, record)
+    return error_response(error)
+
+
+FETCH_LIMITER = anyio.CapacityLimiter(4)  # image URL fetches in flight; the default thread pool stays free
+
+
+def _request_from_body(body: dict, engine):
+    """Blocking (image URLs are fetched, data URLs decoded): run it off the event loop."""
+    settings = server_settings()
+    fetcher = ImageFetcher(settings.api_image_hosts, engine.config.max_image_bytes,
+                           settings.api_image_private_networks, settings.api_image_fetch_seconds)
+    return to_chat_request(body, fetcher, engine.config.max_new_tokens, settings.api_allow_ignore_eos)
 
 
 def _check_key(request: Request) -> None:
@@ -72,12 +99,15 @@ def _engine():
 
 def _engine_error(exc: VlscopeError) -> ApiError:
     if isinstance(exc, Busy):
-        return ApiError(429, exc.message, "rate_limit_error", "busy", retry_after=5)
-    if isinstance(exc, (InvalidImage, PromptTooLong)):
-        return ApiError(400, exc.message, "invalid_request_error", exc.kind)
-    if isinstance(exc, InsufficientMemory):
-        return ApiError(503, exc.message, "server_error", exc.kind, retry_after=30)
-    return ApiError(500, exc.message, "server_error", exc.kind)
+        error = ApiError(429, exc.message, "rate_limit_error", "busy", retry_after=5)
+    elif isinstance(exc, (InvalidImage, PromptTooLong)):
+        error = ApiError(400, exc.message, "invalid_request_error", exc.kind)
+    elif isinstance(exc, InsufficientMemory):
+        error = ApiError(503, exc.message, "server_error", exc.kind, retry_after=30)
+    else:
+        error = ApiError(500, exc.message, "server_error", exc.kind)
+    error.recorded = exc.metrics is not None
+    return error
 
 
 async def _read_json(request: Request) -> dict:
@@ -152,13 +182,16 @@ def _check_model(engine, body: dict) -> str:
 async def chat_completions(request: Request) -> Response:
     try:
         _check_key(request)
+        if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
+            raise ApiError(415, "send the request body as JSON, with Content-Type: application/json",
+                           code="unsupported_media_type")
         body = await _read_json(request)
         engine = _engine()
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object")
         model = _check_model(engine, body)
         stream, include_usage = stream_settings(body)
-        chat = to_chat_request(body, frozenset(server_settings().api_image_hosts), engine.config.max_image_bytes, 8192)
+        chat = await anyio.to_thread.run_sync(_request_from_body, body, engine, limiter=FETCH_LIMITER)
         token_text = _token_text(engine, chat)
         try:
             handle = await anyio.to_thread.run_sync(engine.submit, chat)
@@ -195,7 +228,7 @@ async def chat_completions(request: Request) -> Response:
         return JSONResponse(completion(model, "".join(parts), metrics,
                                        logprobs_content(logprobs, token_text) if token_text else None))
     except ApiError as error:
-        return error_response(error)
+        return await refuse(error)
 
 
 async def _chain(first: list, rest):
@@ -251,7 +284,7 @@ async def models(request: Request) -> Response:
     try:
         _check_key(request)
     except ApiError as error:
-        return error_response(error)
+        return await refuse(error)
     return JSONResponse({"object": "list", "data": [model_entry(_model_name(), STARTED)]})
 
 
@@ -262,17 +295,17 @@ async def model(request: Request) -> Response:
         if asked != name:
             raise _unknown_model(asked, name)
     except ApiError as error:
-        return error_response(error)
+        return await refuse(error)
     return JSONResponse(model_entry(name, STARTED))
 
 
 async def not_found(request: Request) -> Response:
-    return error_response(ApiError(404, f"Unknown API route {request.url.path}: this server serves "
+    return await refuse(ApiError(404, f"Unknown API route {request.url.path}: this server serves "
                                         "/v1/chat/completions and /v1/models.", code="unknown_url"))
 
 
 async def method_not_allowed(request: Request) -> Response:
-    return error_response(ApiError(405, f"{request.method} is not allowed on {request.url.path}.",
+    return await refuse(ApiError(405, f"{request.method} is not allowed on {request.url.path}.",
                                    code="method_not_allowed"))
 
 
@@ -305,7 +338,7 @@ async def metrics(request: Request) -> Response:
     try:
         _check_key(request)
     except ApiError as error:
-        return error_response(error)
+        return await refuse(error)
     slot = engine_slot()
     engine = slot.loaded.engine if slot.ready else None
     text = await anyio.to_thread.run_sync(lambda: prometheus.render(

@@ -87,8 +87,13 @@ class MetricsStore:
     def add(self, metrics: RequestMetrics) -> bool:
         """Write one record (or replace it, by id). A failure is logged and kept in last_error, never raised, and
         the record is kept in memory and written with the next successful add: nothing is lost to a lock."""
+        return self.add_many([metrics])
+
+    def add_many(self, records: list[RequestMetrics]) -> bool:
+        """Write records in one transaction (imports, tests); as add() otherwise."""
         with self._pending_lock:
-            batch = [m for m in self._pending if m.id != metrics.id] + [metrics]
+            ids = {m.id for m in records}
+            batch = [m for m in self._pending if m.id not in ids] + list(records)
             try:
                 connection = self._connection()
                 with connection:
@@ -132,6 +137,15 @@ class MetricsStore:
         until = time.time() if until is None else until
         where = "WHERE submitted_at BETWEEN ? AND ?" + ("" if include_warmup else " AND warmup = 0")
         return self._select(where, (since, until))
+
+    def finished_since(self, row: int) -> tuple[list[RequestMetrics], int]:
+        """Final records (not 'running') written after row number `row`, oldest first, and the row number to ask
+        from next time. A record is rewritten under a row number above every final one when it changes (SQLite
+        numbers a new row one past the largest), so each final state is read once."""
+        rows = self._connection().execute(
+            "SELECT rowid, record FROM requests WHERE rowid > ? AND status != ? ORDER BY rowid", (row, RUNNING),
+        ).fetchall()
+        return [RequestMetrics.from_dict(json.loads(record)) for _, record in rows], rows[-1][0] if rows else row
 
     def count(self) -> int:
         return self._connection().execute("SELECT COUNT(*) FROM requests").fetchone()[0]

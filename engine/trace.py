@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import uuid
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -192,3 +193,16 @@ class RequestTrace:
                         image.image.save(file, format="PNG")
         except OSError as exc:
             log.error("could not save request images: %s", exc)
+
+
+def refusal_record(config: "EngineConfig", model: str, source: str, kind: str, message: str) -> RequestMetrics:
+    """The record of a request turned away before it reached an engine (a bad key, a malformed body, a wrong Host):
+    what it was refused for, never the body or the key."""
+    now = time.time()
+    return RequestMetrics(
+        id=uuid.uuid4().hex, status=REFUSED, source=source, warmup=False, submitted_at=now, finished_at=now,
+        model=model, synthetic=False, dtype=config.dtype, threads=config.threads, kv_cache=config.kv_cache,
+        min_pixels=config.min_pixels, max_pixels=config.max_pixels, max_new_tokens=config.max_new_tokens,
+        temperature=config.temperature, top_p=config.top_p, error_type=kind, error=message, pid=os.getpid(),
+        rss_before_bytes=0, rss_peak_bytes=0, rss_after_bytes=0,
+    )
