@@ -1,9 +1,11 @@
 """Profiling page: every request from every session, live from the metrics database."""
 import time
+from collections import Counter
 
 import streamlit as st
 
 from engine import STATUSES, stage_percentiles, to_csv
+from engine.trace import REFUSED
 from engine.system import ISA_FLAGS, read_ceiling_gb_per_s, system_report
 from ui.charts import (label, latency_over_time, records_frame, rss_chart, server_stages, stage_bars,
                        token_latency_chart)
@@ -77,6 +79,13 @@ def live_view() -> None:
         st.subheader("Per-token decode latency")
         chosen = st.selectbox("Request", with_tokens, format_func=label, key="token_request")
         st.plotly_chart(token_latency_chart(chosen), key="chart_tokens")
+
+    refused = Counter(r.error_type or "unknown" for r in records if r.status == REFUSED)
+    if refused:
+        st.subheader("Refused, by kind")
+        st.caption("Requests turned away before any model compute: bad input, a missing key, a full queue.")
+        st.dataframe({"kind": list(refused), "requests": list(refused.values())}, hide_index=True,
+                     key="table_refused")
 
     st.subheader("Requests")
     st.dataframe(records_frame(records), hide_index=True, key="table_requests")

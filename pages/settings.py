@@ -3,10 +3,16 @@ import streamlit as st
 
 from engine import DTYPES
 from engine.config import COMPUTE_DTYPES
+from ui.access import admin_sign_in, is_admin
 from ui.engine_resource import apply_settings, current_settings
 
 st.title("Settings")
 current = current_settings()
+if not is_admin():
+    admin_sign_in()
+    st.subheader("In force")
+    st.json({k: ("(set)" if k == "remote_api_key" and v else v) for k, v in vars(current).items()}, expanded=False)
+    st.stop()
 st.caption("Defaults come from `.streamlit/secrets.toml` ([vlscope] table) and `VLSCOPE_*` environment variables. "
            "Changes here apply to every session of this server until it restarts.")
 

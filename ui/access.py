@@ -1,12 +1,29 @@
-"""Who may use the app: Streamlit's OIDC sign-in when [auth] is configured in secrets, else an optional shared
-password (the app_password setting), else open."""
+"""Who may use the app and who may change it.
+
+Sign-in: Streamlit's OIDC (`st.login`) when an [auth] table is in secrets, else the shared app_password setting,
+else none (open). Failed passwords are slowed down, counted across sessions, locked out for a while when they pile
+up, and logged. Admins (who may change the Settings page): with sign-in off, everyone; with it on, the emails in
+the admins setting, or whoever enters admin_password.
+"""
 from __future__ import annotations
 
 import hmac
+import logging
+import threading
+import time
+from collections import deque
 
 import streamlit as st
 
 from .engine_resource import server_settings
+
+log = logging.getLogger(__name__)
+
+FAILURE_WINDOW_S = 300.0
+LOCKOUT_AFTER = 10  # failed passwords within the window, from any session: further attempts wait until it clears
+_failures: deque[float] = deque()
+_failures_lock = threading.Lock()
+_signed_in_sessions: set[str] = set()
 
 
 def _secret(section: str, key: str | None = None):
@@ -17,23 +34,104 @@ def _secret(section: str, key: str | None = None):
         return None
 
 
+def sign_in_configured() -> bool:
+    return bool(_secret("auth")) or bool(server_settings().app_password)
+
+
+def session_signed_in(session_id: str) -> bool | None:
+    """For the upload guard: None when the app has no sign-in; else whether that session has signed in."""
+    return session_id in _signed_in_sessions if sign_in_configured() else None
+
+
+def _session_id() -> str | None:
+    from streamlit.runtime.scriptrunner import get_script_run_ctx
+
+    context = get_script_run_ctx()
+    return context.session_id if context else None
+
+
+def _mark_signed_in() -> None:
+    session_id = _session_id()
+    if session_id:
+        _signed_in_sessions.add(session_id)
+
+
+def _recent_failures() -> int:
+    with _failures_lock:
+        while _failures and time.monotonic() - _failures[0] > FAILURE_WINDOW_S:
+            _failures.popleft()
+        return len(_failures)
+
+
+def _check_password(entered: str, expected: str, what: str) -> bool:
+    """Constant-time compare; a failure waits longer the more failures there were lately, and is logged."""
+    if _recent_failures() >= LOCKOUT_AFTER:
+        wait = FAILURE_WINDOW_S - (time.monotonic() - _failures[0])
+        st.error(f"Too many failed attempts. Try again in {max(1, int(wait))} seconds.")
+        return False
+    if hmac.compare_digest(entered.encode(), expected.encode()):
+        return True
+    with _failures_lock:
+        _failures.append(time.monotonic())
+        count = len(_failures)
+    log.warning("failed %s attempt (%d in the last %d s)", what, count, int(FAILURE_WINDOW_S))
+    time.sleep(min(5.0, 0.5 * count))
+    st.error("Wrong password.")
+    return False
+
+
 def require_sign_in() -> bool:
     """True when this session may see the app; otherwise draws the sign-in and returns False."""
     if _secret("auth"):
         if st.user.is_logged_in:
+            _mark_signed_in()
             return True
         st.title("vlscope")
         st.button("Log in", key="oidc_login", on_click=st.login, type="primary")
         return False
     password = server_settings().app_password
-    if not password or st.session_state.get("signed_in"):
+    if not password:
+        return True
+    if st.session_state.get("signed_in"):
+        _mark_signed_in()
         return True
     st.title("vlscope")
     with st.form("sign_in"):
         entered = st.text_input("Password", type="password", key="sign_in_password")
         if st.form_submit_button("Sign in", key="sign_in_submit"):
-            if hmac.compare_digest(entered.encode(), password.encode()):
+            if _check_password(entered, password, "sign-in"):
                 st.session_state["signed_in"] = True
+                _mark_signed_in()
                 st.rerun()
-            st.error("Wrong password.")
     return False
+
+
+def is_admin() -> bool:
+    """Whether this session may change the server's settings."""
+    if not sign_in_configured() or st.session_state.get("admin"):
+        return True
+    settings = server_settings()
+    email = st.user.get("email") if _secret("auth") and st.user.is_logged_in else None
+    return bool(email) and email.lower() in {admin.lower() for admin in settings.admins}
+
+
+def admin_sign_in() -> None:
+    """The admin password form, when one is configured; else how to become an admin."""
+    password = server_settings().admin_password
+    if not password:
+        st.info("Only admins change settings. Set VLSCOPE_ADMINS (emails, with OIDC sign-in) or "
+                "VLSCOPE_ADMIN_PASSWORD to name them.", icon=":material/lock:")
+        return
+    with st.form("admin_sign_in"):
+        entered = st.text_input("Admin password", type="password", key="admin_password")
+        if st.form_submit_button("Unlock settings", key="admin_submit"):
+            if _check_password(entered, password, "admin sign-in"):
+                st.session_state["admin"] = True
+                st.rerun()
+
+
+def exposed_without_sign_in() -> bool:
+    """The server listens beyond loopback and neither the API nor the app asks who is calling."""
+    address = st.get_option("server.address") or ""
+    beyond_loopback = address not in ("127.0.0.1", "localhost", "::1")
+    return beyond_loopback and not server_settings().api_keys and not sign_in_configured()

@@ -5,6 +5,7 @@ import streamlit as st
 
 from engine.metrics import current_rss
 
+from .access import exposed_without_sign_in, is_admin
 from .engine_resource import LoadedEngine
 
 GIB = 1 << 30
@@ -12,6 +13,12 @@ GIB = 1 << 30
 
 def render_status(loaded: LoadedEngine | None) -> None:
     with st.sidebar:
+        if is_admin() and exposed_without_sign_in():
+            st.warning("Open to the network: no API key and no sign-in.", icon=":material/lock_open:")
+            with st.expander("How to lock it down"):
+                st.caption("This server listens beyond loopback and anyone who reaches it may use the app and the "
+                           "API. Set VLSCOPE_API_KEYS for the API and VLSCOPE_APP_PASSWORD (or an [auth] table) for "
+                           "the app, or listen on loopback only (--server.address 127.0.0.1). README: Hosting.")
         if loaded is None:
             st.caption("No model loaded.")
             return
