@@ -3,6 +3,11 @@
 Starts `uvicorn streamlit_app:app` on a free local port, drives concurrent API clients with a mix of good requests, bad
 images, over-long prompts, cancellations and disconnects, then checks what a hosted server must guarantee:
 every request answered or refused cleanly, memory flat after warm-up, exactly one metrics record per request.
+
+`--hostile` adds what a careless or hostile client sends (compressed image bombs, JSON nested 100,000 deep, NaN,
+strings for booleans, wrong content types, foreign origins and hosts, URLs into the server's network, bodies over
+the limit, missing and non-ASCII keys) and checks more: no 5xx, /health under 100 ms throughout, RSS back within
+200 MB, a record for every refusal too.
 """
 from __future__ import annotations
 
@@ -23,12 +28,18 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import psutil
 from PIL import Image
 
 from engine.config import PROJECT_DIR, EngineConfig, chromium_binary
 from engine.store import MetricsStore
 
+LONG = 400  # tokens of the requests a client cancels or abandons: the server's answer length cap too
 KINDS = ("good", "good", "good", "bad_image", "too_long", "cancel", "disconnect")
+HOSTILE = ("bomb", "deep_json", "bad_json", "nan", "string_bool", "stream_options", "text_plain", "evil_origin",
+           "evil_host", "private_url", "huge_max_tokens", "oversized", "no_key", "non_ascii_key", "tools")
+KEY = "soak-key"  # the API key of a hostile run's server
+MAX_BODY = 4 * 1024 * 1024  # a hostile run's body limit, so an oversized body stays cheap to send
 CHROMIUM = chromium_binary()
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync"]
@@ -77,14 +88,64 @@ def _image_url(seed: int) -> str:
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
-def _rss(base: str) -> int:
-    text = httpx.get(f"{base}/metrics", timeout=30).text
-    return int(re.search(r"^vlscope_rss_bytes (\d+)", text, re.M).group(1))
+def _bomb_content() -> list:
+    """Eight 64-megapixel 1-bit PNGs: about 80 KB of request that would decode to gigabytes."""
+    buffer = io.BytesIO()
+    Image.new("1", (8000, 8000)).save(buffer, format="PNG", optimize=True)
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    return [{"type": "text", "text": "What is this?"}] + [{"type": "image_url", "image_url": {"url": url}}] * 8
+
+
+def _hostile(client: httpx.Client, url: str, kind: str) -> str:
+    """One hostile request; returns the status code the server answered with."""
+    hi = [{"role": "user", "content": "hi"}]
+    json_headers = {"Content-Type": "application/json"}
+    raw = {  # bodies no JSON encoder would write
+        "deep_json": "[" * 100_000 + "]" * 100_000, "bad_json": '{"messages": [', "oversized": "x" * (MAX_BODY + 1),
+        "nan": '{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN, "max_tokens": 2}',
+    }
+    if kind in raw:
+        return str(client.post(url, content=raw[kind], headers=json_headers, timeout=60).status_code)
+    if kind == "text_plain":
+        return str(client.post(url, content=json.dumps({"messages": hi}), timeout=60,
+                               headers={"Content-Type": "text/plain"}).status_code)
+    headers = {"evil_origin": {"Origin": "https://evil.example"}, "evil_host": {"Host": "rebound.example"},
+               "no_key": {"Authorization": ""}, "non_ascii_key": {"Authorization": "Bearer k\u00e9y"}}
+    body = {"bomb": {"messages": [{"role": "user", "content": _bomb_content()}]},
+            "string_bool": {"messages": hi, "stream": "false"},
+            "stream_options": {"messages": hi, "stream": True, "stream_options": "yes"},
+            "private_url": {"messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": "http://169.254.169.254/latest/meta-data"}}]}]},
+            "huge_max_tokens": {"messages": hi, "max_tokens": 1_000_000},
+            "tools": {"messages": hi, "tools": [{"type": "function", "function": {"name": "f"}}]}}.get(
+        kind, {"messages": hi, "max_tokens": 2})
+    extra = {k: v.encode("utf-8") for k, v in headers.get(kind, {}).items()}
+    return str(client.post(url, json=body, headers=extra, timeout=60).status_code)
+
+
+class HealthWatch(threading.Thread):
+    """Asks /health every 0.1 s and keeps how long each answer took."""
+
+    def __init__(self, base: str):
+        super().__init__(name="soak-health", daemon=True)
+        self.base, self.seconds, self.stop = base, [], threading.Event()
+
+    def run(self) -> None:
+        with httpx.Client() as client:
+            while not self.stop.wait(0.1):
+                started = time.perf_counter()
+                try:
+                    client.get(f"{self.base}/health", timeout=30)
+                    self.seconds.append(time.perf_counter() - started)
+                except httpx.HTTPError:
+                    self.seconds.append(float("inf"))
 
 
 def _one(client: httpx.Client, base: str, kind: str, rng: random.Random) -> str:
     """Send one request of the given kind; return the outcome as the server presented it."""
     url = f"{base}/v1/chat/completions"
+    if kind in HOSTILE:
+        return _hostile(client, url, kind)
     text = {"role": "user", "content": [{"type": "text", "text": "What is in this picture?"},
                                         {"type": "image_url", "image_url": {"url": _image_url(rng.randrange(8))}}]}
     if kind == "good":
@@ -99,7 +160,7 @@ def _one(client: httpx.Client, base: str, kind: str, rng: random.Random) -> str:
         response = client.post(url, json={"messages": [{"role": "user", "content": "word " * 20000}]}, timeout=300)
         return f"{response.status_code}"
     if kind == "cancel":  # a stream the client stops reading after the first token
-        with client.stream("POST", url, json={"messages": [text], "max_tokens": 2000, "ignore_eos": True, "stream": True},
+        with client.stream("POST", url, json={"messages": [text], "max_tokens": LONG, "ignore_eos": True, "stream": True},
                            timeout=300) as response:
             for line in response.iter_lines():
                 if '"content": "' in line and '"content": ""' not in line:
@@ -107,16 +168,18 @@ def _one(client: httpx.Client, base: str, kind: str, rng: random.Random) -> str:
         return "cancelled-by-client"
     # disconnect: a non-streaming client that gives up before the answer
     try:
-        client.post(url, json={"messages": [text], "max_tokens": 2000, "ignore_eos": True}, timeout=1.0)
+        client.post(url, json={"messages": [text], "max_tokens": LONG, "ignore_eos": True}, timeout=1.0)
         return "answered-before-timeout"
     except httpx.TimeoutException:
         return "disconnected"
 
 
 def soak(model: str, requests: int, clients: int, seconds: float, workdir: Path, report=print,
-         app_sessions: int = 1, app_chats: int = 3) -> dict:
+         app_sessions: int = 1, app_chats: int = 3, hostile: bool = False) -> dict:
     port, db = _free_port(), workdir / "soak.db"
-    env = dict(os.environ, VLSCOPE_MODEL=model, VLSCOPE_DB=str(db), VLSCOPE_MAX_NEW_TOKENS="64",
+    env = dict(os.environ, VLSCOPE_MODEL=model, VLSCOPE_DB=str(db), VLSCOPE_MAX_NEW_TOKENS=str(LONG),
+               VLSCOPE_API_ALLOW_IGNORE_EOS="on", VLSCOPE_API_KEYS=KEY if hostile else "",
+               VLSCOPE_API_MAX_BODY_BYTES=str(MAX_BODY),
                VLSCOPE_MAX_QUEUE=str(clients + 2), VLSCOPE_MAX_INPUT_TOKENS="4096")
     log = open(workdir / "server.log", "w")
     server = subprocess.Popen([sys.executable, "-m", "uvicorn", "streamlit_app:app", "--host", "127.0.0.1", "--port", str(port)],
@@ -150,19 +213,24 @@ def soak(model: str, requests: int, clients: int, seconds: float, workdir: Path,
                     for event in warmed]
         for session in sessions:
             session.start()
-        warm = httpx.Client()
+        process = psutil.Process(server.pid)
+        keyed = {"Authorization": f"Bearer {KEY}"} if hostile else {}
+        warm = httpx.Client(headers=keyed)
         for seed in range(3):  # warm the allocator and caches before the memory baseline
             _one(warm, base, "good", random.Random(seed))
         for event in warmed:  # and the UI's modules, loaded by each session's first page and answer
             event.wait(600)
-        rss_start = _rss(base)
+        rss_start = process.memory_info().rss
+        watch = HealthWatch(base)
+        watch.start()
         started, stop_at = time.time(), time.time() + seconds
-        plan = [KINDS[i % len(KINDS)] for i in range(requests)]
+        kinds = KINDS + HOSTILE if hostile else KINDS
+        plan = [kinds[i % len(kinds)] for i in range(requests)]
         random.Random(7).shuffle(plan)
 
         def client_loop(index: int) -> None:
             nonlocal sent
-            rng, client = random.Random(index), httpx.Client()
+            rng, client = random.Random(index), httpx.Client(headers=keyed)
             while time.time() < stop_at:
                 with lock:
                     if not plan:
@@ -183,7 +251,8 @@ def soak(model: str, requests: int, clients: int, seconds: float, workdir: Path,
         for thread in threads:
             thread.join()
         time.sleep(2)  # the last cancelled generations finish their bookkeeping
-        rss_end = _rss(base)
+        watch.stop.set()
+        rss_end = process.memory_info().rss
         health = httpx.get(f"{base}/health", timeout=10).json()
     finally:
         server.terminate()
@@ -208,6 +277,11 @@ def soak(model: str, requests: int, clients: int, seconds: float, workdir: Path,
         "rss_after_warmup_bytes": rss_start,
         "rss_end_bytes": rss_end,
         "rss_growth": (rss_end - rss_start) / rss_start,
+        "rss_growth_bytes": rss_end - rss_start,
+        "health_checks": len(watch.seconds),
+        "health_p99_s": float(np.percentile(watch.seconds, 99)) if watch.seconds else None,
+        "health_max_s": max(watch.seconds, default=None),
+        "hostile": hostile,
         "health_at_end": health.get("status"),
         "seconds": time.time() - started,
     }
@@ -223,15 +297,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--app-sessions", type=int, default=1, help="browser sessions on the chat page (Chromium)")
     parser.add_argument("--app-chats", type=int, default=3, help="questions each browser session asks")
     parser.add_argument("--workdir", help="where the server's database and log go (default a temp folder)")
+    parser.add_argument("--hostile", action="store_true",
+                        help="also send hostile input and check /health latency and memory against it")
     args = parser.parse_args(argv)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="vlscope-soak-"))
     workdir.mkdir(parents=True, exist_ok=True)
     result = soak(args.model or EngineConfig.from_env().model, args.requests, args.clients, args.seconds, workdir,
                   report=lambda message: print(message, file=sys.stderr, flush=True),
-                  app_sessions=args.app_sessions, app_chats=args.app_chats)
+                  app_sessions=args.app_sessions, app_chats=args.app_chats, hostile=args.hostile)
     print(json.dumps(result, indent=1))
     healthy = (result["one_record_per_request"] and result["server_errors"] == 0 and result["rss_growth"] < 0.05
                and result["health_at_end"] == "ready" and "app:no-answer" not in result["outcomes"])
+    if args.hostile:
+        healthy = healthy and result["rss_growth_bytes"] < 200 * 2**20 and result["health_max_s"] < 0.1
     return 0 if healthy else 1
 
 

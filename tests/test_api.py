@@ -20,8 +20,10 @@ from .conftest import ROOT, free_port
 
 def start_server(tiny_model, db, log_path, **env_overrides):
     port = free_port()
-    env = dict(os.environ, VLSCOPE_MODEL=str(tiny_model), VLSCOPE_DB=str(db), VLSCOPE_MAX_NEW_TOKENS="16",
-               **env_overrides)
+    # Long answers (5,000 tokens, end tokens ignored) keep the worker busy in the queue and cancellation tests.
+    env = dict(os.environ, VLSCOPE_MODEL=str(tiny_model), VLSCOPE_DB=str(db), VLSCOPE_MAX_NEW_TOKENS="5000",
+               VLSCOPE_API_ALLOW_IGNORE_EOS="on")
+    env.update(env_overrides)
     log = open(log_path, "w")
     process = subprocess.Popen([sys.executable, "-m", "uvicorn", "streamlit_app:app", "--host", "127.0.0.1", "--port", str(port)],
                                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)

@@ -50,6 +50,21 @@ def server(tiny_model, tmp_path):
     log.close()
 
 
+def ask(page, expect, text: str) -> None:
+    """Type into the chat box and send; typed again if a late rerun cleared the box before it was sent."""
+    box = page.get_by_test_id("stChatInputTextArea")
+    for _ in range(3):
+        box.fill(text)
+        expect(page.get_by_role("button", name="Send message")).to_be_enabled(timeout=10_000)
+        box.press("Enter")
+        try:
+            expect(page.get_by_test_id("stChatMessage").first).to_be_visible(timeout=20_000)
+            return
+        except AssertionError:
+            continue
+    raise AssertionError("the question was never sent: the chat box kept losing its text")
+
+
 def test_upload_ask_stream_and_profile(server, images_dir, tmp_path):
     if not Path(CHROMIUM).exists():
         pytest.fail(f"Chromium not found at {CHROMIUM}: install Debian's chromium (see .ci/run)")
@@ -63,10 +78,9 @@ def test_upload_ask_stream_and_profile(server, images_dir, tmp_path):
         expect(page.get_by_role("heading", name="Chat")).to_be_visible(timeout=120_000)
 
         page.locator('[data-testid="stFileUploaderDropzoneInput"]').set_input_files(str(images_dir / "page.png"))
-        expect(page.get_by_text("page.png").first).to_be_visible(timeout=30_000)
-        box = page.get_by_test_id("stChatInputTextArea")
-        box.fill("Read the text")
-        box.press("Enter")
+        # The upload's rerun draws the preview and redraws the chat box: text typed before it lands is lost.
+        expect(page.get_by_test_id("stImage").first).to_be_visible(timeout=60_000)
+        ask(page, expect, "Read the text")
 
         assistant = page.get_by_test_id("stChatMessage").nth(1)
         expect(assistant.get_by_text("TTFT")).to_be_visible(timeout=120_000)

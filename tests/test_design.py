@@ -90,13 +90,15 @@ def test_the_app_reads_its_settings_from_st_secrets(tiny_model, tmp_path, monkey
     try:
         at = AppTest.from_file(str(ROOT / "streamlit_app.py"), default_timeout=120)
         at.secrets["vlscope"] = {"model": str(tiny_model), "db_path": str(tmp_path / "s.db"), "warmup": False,
-                                 "app_password": "sesame", "max_new_tokens": 7}
+                                 "app_password": "sesame", "admin_password": "boss", "max_new_tokens": 7}
         at.run()
         assert at.text_input(key="sign_in_password")  # the password from secrets guards the app
         at.text_input(key="sign_in_password").set_value("sesame")
         at.button(key="sign_in_submit").click().run()
         assert not at.exception
         at.switch_page("pages/settings.py").run()
+        at.text_input(key="admin_password").set_value("boss")
+        at.button(key="admin_submit").click().run()
         assert at.number_input(key="set_max_new").value == 7
     finally:
         shutdown()

@@ -41,6 +41,22 @@ def test_soak_short(tiny_model, tmp_path):
     assert result["rss_growth"] < 0.05
 
 
+def test_hostile_soak_short(tiny_model, tmp_path):
+    """Every hostile input beside the mixed load: no 5xx, /health quick throughout, memory back, every refusal
+    recorded."""
+    run = subprocess.run([sys.executable, "-m", "bench.soak", "--model", str(tiny_model), "--requests", "66",
+                          "--clients", "4", "--seconds", "300", "--app-sessions", "0", "--hostile",
+                          "--workdir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    result = json.loads(run.stdout)
+    assert run.returncode == 0, (result, run.stderr[-2000:])
+    assert result["one_record_per_request"] and result["server_errors"] == 0
+    hostile = {key: n for key, n in result["outcomes"].items() if key.split(":")[0] in (
+        "bomb", "deep_json", "bad_json", "nan", "string_bool", "stream_options", "text_plain", "evil_origin",
+        "evil_host", "private_url", "huge_max_tokens", "oversized", "no_key", "non_ascii_key", "tools")}
+    assert len(hostile) == 15 and all(key.split(":")[1][0] == "4" for key in hostile)
+    assert result["health_max_s"] < 0.1 and result["rss_growth_bytes"] < 200 * 2**20
+
+
 def test_sigkill_mid_generation_then_restart(tiny_model, tmp_path):
     db = tmp_path / "api.db"
     process, url = start_server(tiny_model, db, tmp_path / "first.log")
