@@ -26,6 +26,7 @@ from .errors import (
     PromptTooLong,
     VlscopeError,
 )
+from . import compute
 from .generate import Sampler, decode_n_tokens, encode_images, prefill
 from .images import (
     enhance_for_ocr,
@@ -196,7 +197,7 @@ class Engine(StreamingMixin):
         report = progress or (lambda fraction, message: None)
         self.store = store if store is not None else MetricsStore(self.config.db_path)
         self.store.mark_interrupted(psutil.pid_exists)  # requests a killed server left running
-        self.loaded: LoadedModel = load_model(self.config, report)
+        self.loaded: LoadedModel = compute.run(load_model, self.config, progress=report)
         text_config = self.loaded.model.config.get_text_config()
         self.info = EngineInfo(
             model=self.loaded.name,
@@ -212,7 +213,7 @@ class Engine(StreamingMixin):
         )
         self._generator = torch.Generator().manual_seed(self.config.seed)
         self._prefix_cache = PrefixCache(self.config.prefix_cache_entries if self.config.kv_cache else 0)
-        self._queue = RequestQueue(self._run, max_waiting=self.config.max_queue)
+        self._queue = RequestQueue(lambda job: compute.run(self._run, job), max_waiting=self.config.max_queue)
         if self.config.warmup:
             report(0.97, "Warm-up request")
             self.warm_up()

@@ -450,3 +450,27 @@ def test_stored_content_is_owner_only(make_engine, images_dir, tmp_path):
     saved = list(folder.iterdir())
     assert len(saved) == 1 and stat.S_IMODE(folder.stat().st_mode) == 0o700
     assert stat.S_IMODE(saved[0].stat().st_mode) == 0o600
+
+
+def test_compute_thread_runs_everything_on_one_thread_and_relays_progress():
+    from engine import compute
+
+    caller = threading.get_ident()
+    first, second = compute.run(threading.get_ident), compute.run(threading.get_ident)
+    assert first == second != caller  # one long-lived thread, never the caller's
+    assert compute.run(compute.run, threading.get_ident) == first  # a nested call runs in place, no deadlock
+
+    seen = []
+
+    def work(steps, progress):
+        for step in range(steps):
+            progress(step / steps, f"step {step}")
+        return "done"
+
+    assert compute.run(work, 3, progress=lambda f, m: seen.append((m, threading.get_ident()))) == "done"
+    assert [m for m, _ in seen] == ["step 0", "step 1", "step 2"]
+    assert {ident for _, ident in seen} == {caller}  # a Streamlit bar is drawn by the script's own thread
+
+    with pytest.raises(ZeroDivisionError):
+        compute.run(lambda: 1 / 0)
+    assert compute.run(lambda: 2 + 2) == 4  # the thread outlives a failed call
