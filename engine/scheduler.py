@@ -30,6 +30,7 @@ class Job:
         self.images: list = []  # LoadedImage, in conversation order
         self.events: queue.Queue = queue.Queue()
         self.cancelled = threading.Event()
+        self.finished = threading.Event()  # its final record is posted: it no longer counts as running
         self.on_cancel: Callable[["Job"], None] | None = None
         self._last_position: int | None = None
 
@@ -60,7 +61,8 @@ class RequestQueue:
     def depth(self) -> int:
         """Requests waiting plus the one running."""
         with self._condition:
-            return len(self._waiting) + (self._running is not None)
+            running = self._running is not None and not self._running.finished.is_set()
+            return len(self._waiting) + running
 
     def check_room(self) -> None:
         """Raise Busy if a request submitted now would be turned away (before its images are decoded)."""

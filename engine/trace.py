@@ -119,6 +119,7 @@ class RequestTrace:
         if self.config.store_content:
             self._save_images()
         self.store.add(metrics)
+        self.job.finished.set()
         if error is not None:
             error.metrics = metrics
             self.job.events.put(error)
