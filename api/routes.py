@@ -121,7 +121,8 @@ async def _read_json(request: Request) -> dict:
         if len(body) > limit:
             raise ApiError(413, f"the request body is over the {limit // 1_000_000} MB limit", code="body_too_large")
     try:
-        return json.loads(body)
+        # Off the event loop: parsing a body near the limit takes long enough to stall every other connection.
+        return await anyio.to_thread.run_sync(json.loads, body)
     except (ValueError, UnicodeDecodeError):
         raise ApiError(400, "the request body is not valid JSON") from None
     except RecursionError:  # JSON nested thousands of levels deep
