@@ -96,6 +96,12 @@ def test_upload_ask_stream_and_profile(server, images_dir, tmp_path):
         expect(chart).to_be_visible(timeout=30_000)
         expect(chart.get_by_text(record.id[:6])).to_be_visible(timeout=30_000)  # that request's bar
         page.screenshot(path=str(tmp_path / "profiling.png"), full_page=True)
+        page.get_by_role("link", name="Benchmark").click()
+        expect(page.get_by_role("heading", name="Benchmark", exact=True)).to_be_visible(timeout=30_000)
+        # the committed run from a CPU like this one, drawn as plots (per case: TTFT, decode rate, memory)
+        expect(page.locator(".js-plotly-plot").first).to_be_visible(timeout=30_000)
+        expect(page.get_by_text("decode", exact=False).first).to_be_visible()
+        page.screenshot(path=str(tmp_path / "benchmark.png"), full_page=True)
         # streamlit_app.py serves the API from the same process: it sees the same, already loaded model
         with urllib.request.urlopen(f"{url}/health", timeout=10) as response:
             assert json.loads(response.read())["status"] == "ready"
@@ -104,4 +110,5 @@ def test_upload_ask_stream_and_profile(server, images_dir, tmp_path):
             target.mkdir(parents=True, exist_ok=True)
             shutil.copy(tmp_path / "chat.png", target / "chat.png")
             shutil.copy(tmp_path / "profiling.png", target / "profiling.png")
+            shutil.copy(tmp_path / "benchmark.png", target / "benchmark.png")
         browser.close()
