@@ -395,7 +395,7 @@ def _run_case(case: Case, model: str, images_dir: Path, threads: int, repeats: i
     if case.engine_key() not in engines:
         _release(engines)
         config = EngineConfig(model=model, dtype=case.dtype, threads=threads, kv_cache=case.kv_cache,
-                              db_path=db_path, max_queue=1)
+                              db_path=db_path, max_queue=1, compile=EngineConfig.from_env().compile)
         engines[case.engine_key()] = Engine(config)
         loaded = engines[case.engine_key()].loaded
         lm_facts[case.dtype] = (loaded.decode_weight_bytes, language_model_params(loaded.model))

@@ -25,6 +25,7 @@ COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
 # How Linear layers run. packed: weights reordered once at load for oneDNN (float32, bfloat16) or fbgemm (int8,
 # int8 activations), the fastest measured here; plain: PyTorch's stock kernels (parity tests, the bench's baseline).
 KERNELS = ("packed", "plain")
+COMPILE_MODES = ("auto", "on", "off")
 # Shorter names people type, beside the VLSCOPE_<FIELD> ones.
 ENV_ALIASES = {"db_path": "VLSCOPE_DB"}
 # One vision token covers a 32x32 pixel block (16-pixel patches merged 2x2).
@@ -44,6 +45,9 @@ class EngineConfig:
     dtype: str = "float32"
     compute_dtype: str = "auto"
     kernels: str = "packed"
+    # The decode step compiled with inductor over a static KV cache (engine/decode_step.py): auto compiles where it
+    # is measured faster at load (bfloat16 on CPUs that compute in it), on always tries, off never does.
+    compile: str = "auto"
     threads: int = dataclasses.field(default_factory=default_threads)
     kv_cache: bool = True
     # Recent conversations whose KV cache is kept, so a follow-up skips re-encoding and re-prefilling them.
@@ -82,6 +86,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(f"compute_dtype must be one of {', '.join(COMPUTE_DTYPES)}, not {self.compute_dtype!r}")
+        if self.compile not in COMPILE_MODES:
+            raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}, not {self.compile!r}")
         if self.kernels not in KERNELS:
             raise ValueError(f"kernels must be one of {', '.join(KERNELS)}, not {self.kernels!r}")
         if self.threads < 1:

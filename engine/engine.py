@@ -10,6 +10,7 @@ import logging
 import queue
 import time
 import uuid
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Iterator, Union
 
@@ -26,7 +27,8 @@ from .errors import (
     PromptTooLong,
     VlscopeError,
 )
-from . import compute
+from . import compute, decode_step
+from .decode_step import CompiledDecodeStep
 from .generate import Sampler, decode_n_tokens, encode_images, prefill
 from .images import (
     enhance_for_ocr,
@@ -36,7 +38,7 @@ from .images import (
 )
 from .memory import available_bytes, estimate_request_bytes
 from .metrics import RequestMetrics, RssSampler
-from .model_loading import LoadedModel, ProgressCallback, load_model
+from .model_loading import LoadedModel, ProgressCallback, load_model, may_compile, pack_remaining_linears
 from .prefix_cache import CachedSequence, PrefixCache, image_spans
 from .preprocess import chat_messages, image_grids, patchify_images, tokenize_prompt
 from .request import ChatRequest, Queued, StageStarted, TextChunk
@@ -80,6 +82,7 @@ class EngineInfo:
     compute_dtype: str | None = "float32"  # activations and KV cache (bfloat16 and int8 weights vary); None: unknown
     kv_cache: bool = True
     decode_weight_bytes: int = 0  # weights one decode step reads (language model and head); 0 when unknown
+    decode: str = ""  # how decode steps run (compiled or eager) and why, with the load-time measurement
 
 
 class Detokenizer:
@@ -197,7 +200,9 @@ class Engine(StreamingMixin):
         report = progress or (lambda fraction, message: None)
         self.store = store if store is not None else MetricsStore(self.config.db_path)
         self.store.mark_interrupted(psutil.pid_exists)  # requests a killed server left running
+        started = time.perf_counter()
         self.loaded: LoadedModel = compute.run(load_model, self.config, progress=report)
+        self._decode_step, decode_note = compute.run(self._prepare_decode_step, progress=report)
         text_config = self.loaded.model.config.get_text_config()
         self.info = EngineInfo(
             model=self.loaded.name,
@@ -205,11 +210,12 @@ class Engine(StreamingMixin):
             dtype=self.config.dtype,
             threads=self.config.threads,
             weight_bytes=self.loaded.weight_bytes,
-            load_seconds=self.loaded.load_seconds,
+            load_seconds=time.perf_counter() - started,  # compiling the decode step included
             context_length=int(text_config.max_position_embeddings),
             compute_dtype=self.loaded.compute_dtype,
             kv_cache=self.config.kv_cache,
             decode_weight_bytes=self.loaded.decode_weight_bytes,
+            decode=decode_note,
         )
         self._generator = torch.Generator().manual_seed(self.config.seed)
         self._prefix_cache = PrefixCache(self.config.prefix_cache_entries if self.config.kv_cache else 0)
@@ -256,6 +262,16 @@ class Engine(StreamingMixin):
         self._queue.close()
 
     # ---- internals ----------------------------------------------------------------------------------------------
+
+    def _prepare_decode_step(self, progress) -> tuple[CompiledDecodeStep | None, str]:
+        loaded, config = self.loaded, self.config
+        if not config.kv_cache:
+            return None, "eager decode (no KV cache)"
+        step, note = decode_step.prepare(loaded, config.compile, Path(config.db_path).parent / "inductor", progress)
+        log.info("decode: %s", note)
+        if step is None and config.kernels == "packed" and may_compile(config, loaded.compute_dtype):
+            pack_remaining_linears(loaded.model, loaded.compute_dtype, progress)  # left plain for the compiler
+        return step, note
 
     def _on_cancel(self, job: Job) -> None:
         if self._queue.withdraw(job):  # cancelled while waiting: the worker will never see it
@@ -328,7 +344,13 @@ class Engine(StreamingMixin):
             logits, state = prefill(model, prompt, vision, all_grids, config.kv_cache,
                                     cache=reused.cache if reused else None, start=start)
             token = sampler(logits)
+            step = self._decode_step
+            if step is not None and state.cache is not None and step.fits(prompt_tokens + max_new_tokens):
+                step.take(state.cache)
+                state.step = step
         status = self._decode(job, trace, state, token, sampler)
+        if state.step is not None:
+            state.step.give_back(state.cache, state.tokens.shape[1])
         if state.cache is not None:  # prompt and answer so far: the start of this conversation's next turn
             self._prefix_cache.put(CachedSequence(state.tokens, state.cache, keys, spans))
         return status

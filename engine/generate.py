@@ -24,6 +24,7 @@ class DecodeState:
     mm_token_type_ids: torch.Tensor | None = None
     image_grid_thw: torch.Tensor | None = None
     generated: list[int] = field(default_factory=list)
+    step: object = None  # a CompiledDecodeStep holding this request's keys and values, or None: eager steps
 
 
 def encode_images(model, patches: ImagePatches):
@@ -92,12 +93,15 @@ def prefill(model, prompt: PromptTokens, vision, image_grid_thw, use_cache: bool
 
 
 def decode_one_token(model, state: DecodeState, token: int) -> torch.Tensor:
-    """Feed one new token; returns the next logits. Without a cache, the whole sequence runs again."""
+    """Feed one new token; returns the next logits. Through the compiled step when the state has one; without a
+    cache, the whole sequence runs again."""
     position = state.tokens.shape[1]
     new_token = torch.tensor([[token]], dtype=state.tokens.dtype)
     new_positions = next_positions(position, state.rope_delta)
     state.tokens = torch.cat([state.tokens, new_token], dim=1)
     state.positions = torch.cat([state.positions, new_positions], dim=2)
+    if state.step is not None:
+        return state.step(new_token, new_positions)
     if state.cache is not None:
         hidden = run_language_model(model, input_ids=new_token, position_ids=new_positions, cache=state.cache,
                                     use_cache=True)

@@ -247,12 +247,10 @@ def load_model(config: EngineConfig, progress: ProgressCallback | None = None) -
         report(0.9, f"{config.dtype} weights, float32 compute (faster on this CPU)")
         compute_in_float32_(model)
     if config.kernels == "packed":
-        wide = torch.float32 if compute_dtype == "float32" else torch.bfloat16
-        if packing_works(wide):
-            report(0.92, f"Packing {compute_dtype} weights for oneDNN's kernels")
-            pack_linears_(model, wide)
-        else:
-            log.warning("oneDNN's packed Linear is not available or disagrees here: plain kernels")
+        # A language model that may get a compiled decode step keeps plain Linears: inductor packs its own copy.
+        # pack_remaining_linears packs them too if the step is not kept.
+        scope = model.model.visual if may_compile(config, compute_dtype) else model
+        pack_remaining_linears(scope, compute_dtype, report)
     release_freed_memory()
     report(0.95, "Model ready")
     return LoadedModel(
@@ -269,6 +267,24 @@ def load_model(config: EngineConfig, progress: ProgressCallback | None = None) -
         load_seconds=time.perf_counter() - started,
         decode_weight_bytes=decode_weight_bytes(model),
     )
+
+
+def may_compile(config: EngineConfig, compute_dtype: str) -> bool:
+    """Whether loading should leave the language model ready for a compiled decode step (engine/decode_step.py)."""
+    return config.compile == "on" or (config.compile == "auto" and config.dtype == "bfloat16"
+                                      and compute_dtype == "bfloat16")
+
+
+def pack_remaining_linears(model: nn.Module, compute_dtype: str, progress: ProgressCallback | None = None) -> None:
+    """oneDNN-packed kernels for every plain Linear left in `model` (the default kernels)."""
+    wide = torch.float32 if compute_dtype == "float32" else torch.bfloat16
+    if not packing_works(wide):
+        log.warning("oneDNN's packed Linear is not available or disagrees here: plain kernels")
+        return
+    if progress is not None:
+        progress(0.92, f"Packing {compute_dtype} weights for oneDNN's kernels")
+    pack_linears_(model, wide)
+    release_freed_memory()
 
 
 def looks_like_hub_id(source: str) -> bool:

@@ -2,7 +2,7 @@
 import streamlit as st
 
 from engine import DTYPES
-from engine.config import COMPUTE_DTYPES
+from engine.config import COMPILE_MODES, COMPUTE_DTYPES
 from ui.access import admin_sign_in, is_admin
 from ui.engine_resource import apply_settings, current_settings
 
@@ -26,7 +26,10 @@ with st.form("settings_form"):
         key="set_compute_dtype",
         help="auto: bfloat16 where this CPU's bfloat16 matmul measures faster than float32, else float32 with the "
              "weights kept compact. float32 weights always compute in float32.")
-    right.empty()
+    compile_mode = right.selectbox(
+        "Compiled decode step", COMPILE_MODES, index=COMPILE_MODES.index(current.compile), key="set_compile",
+        help="auto: compile at load where it measures faster than eager decode (bfloat16 on CPUs that compute in it; "
+             "2-3 minutes the first time). on: always try. off: eager decode. A failed compile falls back to eager.")
     max_tokens = left.select_slider("Max vision tokens per image", [64, 128, 256, 512, 768, 1024, 1536, 2048, 4096],
                                     value=current.max_vision_tokens if current.max_vision_tokens in
                                     (64, 128, 256, 512, 768, 1024, 1536, 2048, 4096) else 1024, key="set_budget")
@@ -41,7 +44,8 @@ with st.form("settings_form"):
 
 if submitted:
     try:
-        new = current.replace(model=model.strip(), dtype=dtype, compute_dtype=compute_dtype, threads=int(threads),
+        new = current.replace(model=model.strip(), dtype=dtype, compute_dtype=compute_dtype, compile=compile_mode,
+                              threads=int(threads),
                               max_pixels=int(max_tokens) * 1024, min_pixels=min(current.min_pixels, int(max_tokens) * 1024),
                               max_new_tokens=int(max_new), temperature=float(temperature), top_p=float(top_p),
                               kv_cache=kv_cache, store_content=store_content)

@@ -1,6 +1,7 @@
 """Shared fixtures: a tiny Qwen3-VL built once per session from the bundled skeleton, and engines over it."""
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import sys
@@ -10,6 +11,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+# Eager decode unless a test asks for the compiled step: compiling takes ~40 s even on the tiny model, and
+# test_compiled_decode_step_gives_the_eager_tokens covers it. Servers, AppTest and the bench inherit this.
+os.environ.setdefault("VLSCOPE_COMPILE", "off")
 
 from engine import Engine, EngineConfig  # noqa: E402
 from engine.config import SKELETON_DIR, shared_dir  # noqa: E402
@@ -55,7 +59,7 @@ def make_engine(tiny_model, tmp_path):
     engines = []
 
     def build(**overrides) -> Engine:
-        settings = dict(model=str(tiny_model), db_path=str(tmp_path / "metrics.db"), warmup=False)
+        settings = dict(model=str(tiny_model), db_path=str(tmp_path / "metrics.db"), warmup=False, compile="off")
         settings.update(overrides)
         engine = Engine(EngineConfig(**settings))
         engines.append(engine)

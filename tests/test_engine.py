@@ -474,3 +474,29 @@ def test_compute_thread_runs_everything_on_one_thread_and_relays_progress():
     with pytest.raises(ZeroDivisionError):
         compute.run(lambda: 1 / 0)
     assert compute.run(lambda: 2 + 2) == 4  # the thread outlives a failed call
+
+
+def test_compiled_decode_step_gives_the_eager_tokens(make_engine, images_dir):
+    """The compiled step over the static cache, against eager decode: the same greedy answer, and a follow-up that
+    reuses the conversation's cache (handed back from the static cache) gives the same answer too."""
+    from engine.request import Turn
+
+    image = images_dir / "coffee.png"
+    answers = {}
+    for mode in ("on", "off"):
+        engine = make_engine(compile=mode)
+        first = engine.ask(ChatRequest(prompt="Describe", images=(image,), max_new_tokens=12, ignore_eos=True))
+        follow_up = engine.ask(ChatRequest(prompt="More", history=(Turn("user", "Describe", (image,)),
+                                                                   Turn("assistant", first.text)),
+                                           max_new_tokens=12, ignore_eos=True))
+        assert follow_up.metrics.cached_prompt_tokens > 0
+        answers[mode] = (first.text, follow_up.text, engine.info.decode)
+    assert answers["on"][2].startswith("compiled decode step"), answers["on"][2]
+    assert answers["off"][2] == "eager decode (compilation off)"
+    assert answers["on"][:2] == answers["off"][:2]
+
+
+def test_auto_compile_keeps_float32_eager_and_says_why(make_engine):
+    engine = make_engine(compile="auto")  # float32: the frozen copy does not fit beside the eager weights
+    assert engine.info.decode.startswith("eager decode: float32 weights")
+    assert engine.ask(ChatRequest(prompt="Hi", max_new_tokens=3)).metrics.status == "ok"

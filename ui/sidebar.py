@@ -38,5 +38,7 @@ def render_status(loaded: LoadedEngine | None) -> None:
         left.metric("weights", f"{info.weight_bytes / GIB:.2f}G", help="Model weights in memory, GiB")
         right.metric("RSS", f"{current_rss() / GIB:.2f}G", help="This server process's resident memory, GiB")
         st.caption(f"Queue: {engine.queue_depth} request(s) · loaded in {info.load_seconds:.1f} s")
+        if info.decode:  # empty for a remote engine
+            st.caption(f"Decode: {info.decode}")
         if engine.store.last_error:
             st.error(f"Metrics are not being saved: {engine.store.last_error}")
