@@ -15,6 +15,7 @@ import argparse
 import base64
 import io
 import json
+import multiprocessing
 import os
 import random
 import re
@@ -123,22 +124,45 @@ def _hostile(client: httpx.Client, url: str, kind: str) -> str:
     return str(client.post(url, json=body, headers=extra, timeout=60).status_code)
 
 
-class HealthWatch(threading.Thread):
-    """Asks /health every 0.1 s and keeps how long each answer took."""
+def _watch_health(base: str, ready, stop, results) -> None:
+    seconds = []
+    with httpx.Client() as client:
+        while True:
+            started = time.perf_counter()
+            try:
+                client.get(f"{base}/health", timeout=30)
+                seconds.append(time.perf_counter() - started)
+            except httpx.HTTPError:
+                seconds.append(float("inf"))
+            ready.set()
+            if stop.wait(0.1):
+                break
+    results.send(seconds)
+
+
+class HealthWatch:
+    """Asks /health every 0.1 s and keeps how long each answer took. It runs in a process of its own: in this one
+    the clients hold the interpreter while they build multi-megabyte hostile bodies, and the watch would time its
+    own wait for them (a thread here saw 0.3 s stalls that were not the server's)."""
 
     def __init__(self, base: str):
-        super().__init__(name="soak-health", daemon=True)
-        self.base, self.seconds, self.stop = base, [], threading.Event()
+        context = multiprocessing.get_context("spawn")
+        self.stop, self._ready = context.Event(), context.Event()
+        self._results, sender = context.Pipe(duplex=False)
+        self._process = context.Process(target=_watch_health, args=(base, self._ready, self.stop, sender),
+                                        daemon=True)
+        self.seconds: list[float] = []
 
-    def run(self) -> None:
-        with httpx.Client() as client:
-            while not self.stop.wait(0.1):
-                started = time.perf_counter()
-                try:
-                    client.get(f"{self.base}/health", timeout=30)
-                    self.seconds.append(time.perf_counter() - started)
-                except httpx.HTTPError:
-                    self.seconds.append(float("inf"))
+    def start(self) -> None:
+        """Returns once the watch has made its first check: a new interpreter takes a second or two to start."""
+        self._process.start()
+        if not self._ready.wait(60):
+            raise RuntimeError("the /health watcher did not start")
+
+    def finish(self) -> None:
+        self.stop.set()
+        self.seconds = self._results.recv()
+        self._process.join(10)
 
 
 def _one(client: httpx.Client, base: str, kind: str, rng: random.Random) -> str:
@@ -251,7 +275,7 @@ def soak(model: str, requests: int, clients: int, seconds: float, workdir: Path,
         for thread in threads:
             thread.join()
         time.sleep(2)  # the last cancelled generations finish their bookkeeping
-        watch.stop.set()
+        watch.finish()
         rss_end = process.memory_info().rss
         health = httpx.get(f"{base}/health", timeout=10).json()
     finally:
