@@ -138,6 +138,7 @@ def prepare(loaded, mode: str, cache_dir: Path, progress=None) -> tuple[Compiled
     if compiled_tokens != eager_tokens:
         log.warning("compiled decode step disagrees with eager: %s vs %s", compiled_tokens, eager_tokens)
         return None, "eager decode: the compiled step chose other tokens than eager decode"
+    # eager here runs the plain kernels the compiler starts from; the engine packs them if it keeps eager decode
     figures = f"{compiled_ms:.0f} ms/token compiled, {eager_ms:.0f} eager, compiled in {compile_s:.0f} s"
     if mode == "auto" and compiled_ms >= eager_ms:
         return None, f"eager decode: measured faster here ({figures})"

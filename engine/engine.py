@@ -265,9 +265,11 @@ class Engine(StreamingMixin):
 
     def _prepare_decode_step(self, progress) -> tuple[CompiledDecodeStep | None, str]:
         loaded, config = self.loaded, self.config
-        if not config.kv_cache:
-            return None, "eager decode (no KV cache)"
-        step, note = decode_step.prepare(loaded, config.compile, Path(config.db_path).parent / "inductor", progress)
+        if config.kv_cache:
+            step, note = decode_step.prepare(loaded, config.compile, Path(config.db_path).parent / "inductor",
+                                             progress)
+        else:
+            step, note = None, "eager decode (no KV cache)"
         log.info("decode: %s", note)
         if step is None and config.kernels == "packed" and may_compile(config, loaded.compute_dtype):
             pack_remaining_linears(loaded.model, loaded.compute_dtype, progress)  # left plain for the compiler
