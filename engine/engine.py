@@ -10,14 +10,15 @@ import logging
 import queue
 import time
 import uuid
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator, Union
 
 import psutil
 import torch
 from PIL import Image
 
+from . import compute, decode_step
 from .config import EngineConfig
 from .errors import (
     Busy,
@@ -27,7 +28,6 @@ from .errors import (
     PromptTooLong,
     VlscopeError,
 )
-from . import compute, decode_step
 from .decode_step import CompiledDecodeStep
 from .generate import Sampler, decode_n_tokens, encode_images, prefill
 from .images import (

@@ -73,3 +73,19 @@ def make_engine(tiny_model, tmp_path):
 @pytest.fixture
 def engine(make_engine) -> Engine:
     return make_engine()
+
+
+@pytest.fixture
+def app_on_tiny(tiny_model, tmp_path, monkeypatch):
+    """The whole app (streamlit_app.py) under AppTest on the tiny model, with this test's database and no warm-up;
+    the shared engine is rebuilt from the test's settings and dropped after it. Call the result for a new AppTest."""
+    from streamlit.testing.v1 import AppTest
+
+    from ui.engine_resource import shutdown
+
+    monkeypatch.setenv("VLSCOPE_MODEL", str(tiny_model))
+    monkeypatch.setenv("VLSCOPE_DB", str(tmp_path / "app.db"))
+    monkeypatch.setenv("VLSCOPE_WARMUP", "off")
+    shutdown()
+    yield lambda: AppTest.from_file(str(ROOT / "streamlit_app.py"), default_timeout=120)
+    shutdown()

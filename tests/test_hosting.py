@@ -11,14 +11,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import psutil
 from PIL import Image
-from streamlit.testing.v1 import AppTest
 
 from api import prometheus
 from engine import MetricsStore
 from engine.metrics import RequestMetrics
 from ui.engine_resource import shutdown
 
-from .conftest import ROOT
 from .test_api import start_server
 
 
@@ -191,19 +189,15 @@ def test_uploads_wait_for_sign_in(tiny_model, tmp_path):
         process.wait(20)
 
 
-def test_wrong_passwords_lock_out_and_settings_need_an_admin(tiny_model, tmp_path, monkeypatch):
+def test_wrong_passwords_lock_out_and_settings_need_an_admin(app_on_tiny, tiny_model, monkeypatch):
     import ui.access
 
-    monkeypatch.setenv("VLSCOPE_MODEL", str(tiny_model))
-    monkeypatch.setenv("VLSCOPE_DB", str(tmp_path / "app.db"))
-    monkeypatch.setenv("VLSCOPE_WARMUP", "off")
     monkeypatch.setenv("VLSCOPE_APP_PASSWORD", "team")
     monkeypatch.setenv("VLSCOPE_ADMIN_PASSWORD", "boss")
     monkeypatch.setattr(ui.access, "LOCKOUT_AFTER", 2)  # the setting under test, lowered to keep the test short
     ui.access._failures.clear()
-    shutdown()
     try:
-        at = AppTest.from_file(str(ROOT / "streamlit_app.py"), default_timeout=120).run()
+        at = app_on_tiny().run()
         for attempt in ("guess", "guess2"):
             at.text_input(key="sign_in_password").set_value(attempt)
             at.button(key="sign_in_submit").click().run()
@@ -224,7 +218,6 @@ def test_wrong_passwords_lock_out_and_settings_need_an_admin(tiny_model, tmp_pat
         assert at.text_input(key="set_model").value == str(tiny_model)
     finally:
         ui.access._failures.clear()
-        shutdown()
 
 
 def test_metrics_scrape_costs_the_same_at_50000_records(tmp_path):
@@ -250,25 +243,16 @@ def test_metrics_scrape_costs_the_same_at_50000_records(tmp_path):
     assert f'vlscope_requests_total{{status="ok",source="api"}} {50_050}' in prometheus.render(store, 0, 0, True)
 
 
-def test_an_open_server_says_so_to_admins(tiny_model, tmp_path, monkeypatch):
-    monkeypatch.setenv("VLSCOPE_MODEL", str(tiny_model))
-    monkeypatch.setenv("VLSCOPE_DB", str(tmp_path / "app.db"))
-    monkeypatch.setenv("VLSCOPE_WARMUP", "off")
-    shutdown()
-    try:
-        at = AppTest.from_file(str(ROOT / "streamlit_app.py"), default_timeout=120).run()
-        assert any(w.value.startswith("Open to the network") for w in at.sidebar.warning)
-        at.switch_page("pages/profiling.py").run()  # refusals are counted by kind there
-        assert not at.exception
-    finally:
-        shutdown()
+def test_an_open_server_says_so_to_admins(app_on_tiny, monkeypatch):
+    at = app_on_tiny().run()
+    assert any(w.value.startswith("Open to the network") for w in at.sidebar.warning)
+    at.switch_page("pages/profiling.py").run()  # refusals are counted by kind there
+    assert not at.exception
+    shutdown()  # the next app's engine is built from the settings below
     monkeypatch.setenv("VLSCOPE_API_KEYS", "k")
-    try:
-        at = AppTest.from_file(str(ROOT / "streamlit_app.py"), default_timeout=120)
-        at.secrets["vlscope"] = {"app_password": "pw"}
-        at.run()
-        at.text_input(key="sign_in_password").set_value("pw")
-        at.button(key="sign_in_submit").click().run()
-        assert not any(w.value.startswith("Open to the network") for w in at.sidebar.warning)
-    finally:
-        shutdown()
+    at = app_on_tiny()
+    at.secrets["vlscope"] = {"app_password": "pw"}
+    at.run()
+    at.text_input(key="sign_in_password").set_value("pw")
+    at.button(key="sign_in_submit").click().run()
+    assert not any(w.value.startswith("Open to the network") for w in at.sidebar.warning)

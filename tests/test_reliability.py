@@ -13,8 +13,6 @@ import httpx
 import pytest
 
 from engine import ChatRequest, InsufficientMemory, MetricsStore, PromptTooLong
-from streamlit.testing.v1 import AppTest
-from ui.engine_resource import shutdown
 
 from .conftest import ROOT, free_port
 from .test_api import start_server
@@ -122,22 +120,16 @@ def test_giant_prompt_is_refused_quickly(engine):
     assert time.perf_counter() - started < 30
 
 
-def test_app_password_gate(tiny_model, tmp_path, monkeypatch):
-    monkeypatch.setenv("VLSCOPE_MODEL", str(tiny_model))
-    monkeypatch.setenv("VLSCOPE_DB", str(tmp_path / "app.db"))
+def test_app_password_gate(app_on_tiny, monkeypatch):
     monkeypatch.setenv("VLSCOPE_APP_PASSWORD", "s3cret")
-    shutdown()
-    try:
-        at = AppTest.from_file(str(ROOT / "streamlit_app.py"), default_timeout=120).run()
-        assert not at.chat_input and at.text_input(key="sign_in_password")
-        at.text_input(key="sign_in_password").set_value("wrong")
-        at.button(key="sign_in_submit").click().run()
-        assert any("Wrong password" in e.value for e in at.error) and not at.chat_input
-        at.text_input(key="sign_in_password").set_value("s3cret")
-        at.button(key="sign_in_submit").click().run()
-        assert at.chat_input(key="chat_prompt")
-    finally:
-        shutdown()
+    at = app_on_tiny().run()
+    assert not at.chat_input and at.text_input(key="sign_in_password")
+    at.text_input(key="sign_in_password").set_value("wrong")
+    at.button(key="sign_in_submit").click().run()
+    assert any("Wrong password" in e.value for e in at.error) and not at.chat_input
+    at.text_input(key="sign_in_password").set_value("s3cret")
+    at.button(key="sign_in_submit").click().run()
+    assert at.chat_input(key="chat_prompt")
 
 
 def test_no_secret_reaches_logs_or_database(tiny_model, tmp_path):
