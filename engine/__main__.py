@@ -1,4 +1,4 @@
-"""Command line: `python -m engine ask|check-images|make-tiny ...`. Bad input exits 2 with a one-line error."""
+"""Command line: `python -m engine ask|check-images|make-tiny|bench ...`. Bad input exits 2 with a one-line error."""
 from __future__ import annotations
 
 import argparse
@@ -124,6 +124,16 @@ def main(argv: list[str] | None = None) -> int:
     tiny.add_argument("--skeleton", default=str(SKELETON_DIR))
     tiny.set_defaults(run=cmd_make_tiny)
 
+    commands.add_parser("bench", add_help=False,
+                        help="the benchmark sweep: the same as `python -m bench` (its --help lists the options)")
+
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        # The measuring tools sit beside the engine (bench/) and use it as any caller would; this name only hands
+        # the rest of the command line over to them, in a process of their own.
+        import subprocess
+
+        return subprocess.call([sys.executable, "-m", "bench", *argv[1:]])
     args = parser.parse_args(argv)
     return args.run(args)
 
