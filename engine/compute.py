@@ -32,6 +32,9 @@ def _serve() -> None:
             future.set_result(fn())
         except BaseException as exc:  # handed to the caller, who re-raises it on its own thread
             future.set_exception(exc)
+        # Held until the next task otherwise: the last task's closure and result (an engine, a whole model) would
+        # outlive its caller, and a reload would hold two models at once.
+        del fn, future
 
 
 def _ensure_started() -> None:

@@ -500,3 +500,18 @@ def test_auto_compile_keeps_float32_eager_and_says_why(make_engine):
     engine = make_engine(compile="auto")  # float32: the frozen copy does not fit beside the eager weights
     assert engine.info.decode.startswith("eager decode: float32 weights")
     assert engine.ask(ChatRequest(prompt="Hi", max_new_tokens=3)).metrics.status == "ok"
+
+
+def test_a_closed_engine_frees_its_model(tiny_model, tmp_path, images_dir):
+    """Settings changes and the bench load one model after another: nothing may keep the last one alive (the compute
+    thread once held its last task, and with it the engine, until the next task came)."""
+    import gc
+    import weakref
+
+    engine = Engine(EngineConfig(model=str(tiny_model), db_path=str(tmp_path / "m.db"), warmup=False, compile="off"))
+    engine.ask(ChatRequest(prompt="Describe", images=(images_dir / "chelsea.png",), max_new_tokens=2))
+    model = weakref.ref(engine.loaded.model)
+    engine.close()
+    del engine
+    gc.collect()
+    assert model() is None
