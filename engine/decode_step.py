@@ -66,6 +66,14 @@ class CompiledDecodeStep:
     def __call__(self, token: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self._compiled(token, positions)
 
+    def release(self) -> None:
+        """Free the compiled code and what it holds. Dynamo keeps compiled graphs (with freezing, a copy of the
+        language model's weights) in a cache of its own, keyed by the code of `_step`, not by this object: without
+        this, a closed engine's frozen weights stay in memory (the quick bench was killed loading its fourth model).
+        One engine is loaded at a time, so every compiled graph of the process goes."""
+        self._compiled = self._cache = None
+        torch._dynamo.reset()
+
     def give_back(self, cache: DynamicCache, length: int) -> None:
         """Append to `cache` the keys and values the steps added, up to `length` positions, so that the prefix cache
         keeps this answer for the conversation's next turn."""

@@ -260,6 +260,9 @@ class Engine(StreamingMixin):
 
     def close(self) -> None:
         self._queue.close()
+        step, self._decode_step = self._decode_step, None
+        if step is not None:
+            compute.run(step.release)  # after any step still running: the compute thread takes one task at a time
 
     # ---- internals ----------------------------------------------------------------------------------------------
 

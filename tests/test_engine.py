@@ -9,6 +9,7 @@ import torch
 
 from engine import (Busy, ChatRequest, Engine, EngineConfig, InvalidImage, MetricsStore, ModelUnavailable,
                     PromptTooLong, Queued, RequestMetrics, StageStarted, TextChunk, Turn)
+from engine.decode_step import CompiledDecodeStep
 from engine.generate import Sampler, decode_n_tokens, encode_images, prefill
 from engine.images import fit_to_budget, load_image
 from engine.model_loading import load_model
@@ -502,16 +503,24 @@ def test_auto_compile_keeps_float32_eager_and_says_why(make_engine):
     assert engine.ask(ChatRequest(prompt="Hi", max_new_tokens=3)).metrics.status == "ok"
 
 
-def test_a_closed_engine_frees_its_model(tiny_model, tmp_path, images_dir):
+@pytest.mark.parametrize("compile_mode", ["off", "on"])
+def test_a_closed_engine_frees_its_model(tiny_model, tmp_path, images_dir, compile_mode):
     """Settings changes and the bench load one model after another: nothing may keep the last one alive (the compute
     thread once held its last task, and with it the engine, until the next task came)."""
     import gc
     import weakref
 
-    engine = Engine(EngineConfig(model=str(tiny_model), db_path=str(tmp_path / "m.db"), warmup=False, compile="off"))
+    engine = Engine(EngineConfig(model=str(tiny_model), db_path=str(tmp_path / "m.db"), warmup=False,
+                                 compile=compile_mode))
     engine.ask(ChatRequest(prompt="Describe", images=(images_dir / "chelsea.png",), max_new_tokens=2))
     model = weakref.ref(engine.loaded.model)
+    compiled = engine._decode_step is not None
+    assert compiled == (compile_mode == "on")
     engine.close()
     del engine
     gc.collect()
     assert model() is None
+    if compiled:  # nor does Dynamo's own cache hold the compiled graph (with freezing, the weights)
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+        assert _debug_get_cache_entry_list(CompiledDecodeStep._step.__code__) == []
