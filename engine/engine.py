@@ -29,6 +29,7 @@ from .errors import (
     VlscopeError,
 )
 from .decode_step import CompiledDecodeStep
+from .direct_step import DirectDecodeStep
 from .generate import Sampler, decode_n_tokens, encode_images, prefill
 from .images import (
     enhance_for_ocr,
@@ -266,16 +267,22 @@ class Engine(StreamingMixin):
 
     # ---- internals ----------------------------------------------------------------------------------------------
 
-    def _prepare_decode_step(self, progress) -> tuple[CompiledDecodeStep | None, str]:
+    def _prepare_decode_step(self, progress) -> tuple[CompiledDecodeStep | DirectDecodeStep | None, str]:
         loaded, config = self.loaded, self.config
         if config.kv_cache:
             step, note = decode_step.prepare(loaded, config.compile, Path(config.db_path).parent / "inductor",
                                              progress)
         else:
             step, note = None, "eager decode (no KV cache)"
+        if step is None and config.kernels == "packed":
+            if may_compile(config, loaded.compute_dtype):
+                pack_remaining_linears(loaded.model, loaded.compute_dtype, progress)  # left plain for the compiler
+            if config.kv_cache:
+                # int8 products take and give float32: rounding the hidden state to bfloat16 between them is work
+                # for nothing (and the same greedy tokens on the full-size model, tests/test_direct_step.py).
+                step = DirectDecodeStep(loaded.model, torch.float32 if loaded.dtype == "int8" else None)
+                note = f"direct decode step; {note}"
         log.info("decode: %s", note)
-        if step is None and config.kernels == "packed" and may_compile(config, loaded.compute_dtype):
-            pack_remaining_linears(loaded.model, loaded.compute_dtype, progress)  # left plain for the compiler
         return step, note
 
     def _on_cancel(self, job: Job) -> None:
@@ -434,7 +441,8 @@ class Engine(StreamingMixin):
     def _check_memory(self, sizes, prompt_tokens: int, max_new_tokens: int) -> None:
         patches = sum(width * height // 256 for width, height in sizes)
         value_bytes = 4 if self.loaded.compute_dtype == "float32" else 2
-        need = estimate_request_bytes(self.loaded.model.config, patches, prompt_tokens, max_new_tokens, value_bytes)
+        need = estimate_request_bytes(self.loaded.model.config, patches, prompt_tokens, max_new_tokens, value_bytes,
+                                      float32_decode_cache=isinstance(self._decode_step, DirectDecodeStep))
         room = self.config.memory_limit_bytes or available_bytes()
         if need > room:
             raise InsufficientMemory(

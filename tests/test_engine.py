@@ -493,13 +493,13 @@ def test_compiled_decode_step_gives_the_eager_tokens(make_engine, images_dir):
         assert follow_up.metrics.cached_prompt_tokens > 0
         answers[mode] = (first.text, follow_up.text, engine.info.decode)
     assert answers["on"][2].startswith("compiled decode step"), answers["on"][2]
-    assert answers["off"][2] == "eager decode (compilation off)"
+    assert answers["off"][2] == "direct decode step; eager decode (compilation off)"
     assert answers["on"][:2] == answers["off"][:2]
 
 
 def test_auto_compile_keeps_float32_eager_and_says_why(make_engine):
     engine = make_engine(compile="auto")  # float32: the frozen copy does not fit beside the eager weights
-    assert engine.info.decode.startswith("eager decode: float32 weights")
+    assert engine.info.decode.startswith("direct decode step; eager decode: float32 weights")
     assert engine.ask(ChatRequest(prompt="Hi", max_new_tokens=3)).metrics.status == "ok"
 
 
@@ -514,7 +514,7 @@ def test_a_closed_engine_frees_its_model(tiny_model, tmp_path, images_dir, compi
                                  compile=compile_mode))
     engine.ask(ChatRequest(prompt="Describe", images=(images_dir / "chelsea.png",), max_new_tokens=2))
     model = weakref.ref(engine.loaded.model)
-    compiled = engine._decode_step is not None
+    compiled = isinstance(engine._decode_step, CompiledDecodeStep)
     assert compiled == (compile_mode == "on")
     engine.close()
     del engine

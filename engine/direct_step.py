@@ -1,0 +1,122 @@
+"""A one-token decode step written out over the model's own weights: the eager path's decode, gpt-fast's way.
+
+transformers' forward is built for every case (any batch, masks, cache kinds, output capture); for one token it
+runs some 3,000 small operations a token around the 197 products that read the weights. Here a token is the
+products plus about 30 operations a layer, on keys and values kept in float32 buffers of this step's own (no mask,
+no cache object, no copy of the whole cache a step: transformers' DynamicCache concatenates, and a bfloat16 cache
+is widened for single_query_attention's float32 products at every step).
+
+Everything transformers decides stays with transformers: prefill, images and the prefix cache use its forward and
+its DynamicCache. `take` copies a prefilled cache in, `give_back` appends the answer's keys and values to it, the
+interface of CompiledDecodeStep. The hidden state keeps the model's compute dtype between operations as
+transformers' layers do, so greedy tokens match its forward (tests/test_direct_step.py).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+# Keys and values are stored this many positions at a time: a request grows its buffers a few times at most.
+GROWTH = 256
+
+
+class DirectDecodeStep:
+    def __init__(self, model, hidden_dtype: torch.dtype | None = None, growth: int = GROWTH):
+        """hidden_dtype: what the hidden state is kept in between operations; the model's own dtype if None."""
+        self.hidden_dtype, self.growth = hidden_dtype, growth
+        language_model = model.model.language_model
+        config = language_model.config
+        self.layers = list(language_model.layers)
+        self.embed_tokens, self.final_norm, self.lm_head = language_model.embed_tokens, language_model.norm, model.lm_head
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.scaling = self.head_dim ** -0.5
+        rotary = language_model.rotary_emb
+        self.inv_freq = rotary.inv_freq.float()
+        self.rope_scaling = float(rotary.attention_scaling)
+        # Qwen3-VL's interleaved M-RoPE: frequency j turns with the height position where j % 3 == 1, with the
+        # width position where j % 3 == 2 (each up to its section's length), with the time position elsewhere.
+        self.rope_row = torch.zeros(self.inv_freq.shape[0], dtype=torch.long)
+        for row, offset in ((1, 1), (2, 2)):
+            self.rope_row[offset:rotary.mrope_section[row] * 3:3] = row
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.length = 0
+
+    def fits(self, tokens: int) -> bool:
+        return True  # the buffers grow as needed
+
+    def take(self, cache: DynamicCache) -> None:
+        """Start from a prefilled cache: its keys and values are copied in."""
+        self.length = cache.layers[0].keys.shape[2]
+        capacity = self.length + self.growth
+        self.keys, self.values = [], []
+        for layer in cache.layers:
+            for kept, source in ((self.keys, layer.keys), (self.values, layer.values)):
+                buffer = torch.empty((self.kv_heads, capacity, self.head_dim), dtype=torch.float32)
+                buffer[:, :self.length].copy_(source[0])
+                kept.append(buffer)
+
+    def give_back(self, cache: DynamicCache, length: int) -> None:
+        """Append to `cache` the keys and values the steps added, up to `length` positions, so that the prefix cache
+        keeps this answer for the conversation's next turn."""
+        for index, layer in enumerate(cache.layers):
+            start = layer.keys.shape[2]
+            if length > start:
+                dtype = layer.keys.dtype
+                cache.update(self.keys[index][None, :, start:length].to(dtype, copy=True),
+                             self.values[index][None, :, start:length].to(dtype, copy=True), index)
+        self.keys, self.values = [], []
+
+    def release(self) -> None:
+        self.keys, self.values, self.layers = [], [], []
+
+    def _rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin (head_dim,) for one token's (time, height, width) positions, rounded to `dtype` as
+        transformers does, with the sign of rotate_half folded into sin."""
+        angles = positions[-3:].reshape(3).float()[self.rope_row] * self.inv_freq
+        cos, sin = angles.cos() * self.rope_scaling, angles.sin() * self.rope_scaling
+        cos, sin = cos.to(dtype), sin.to(dtype)
+        return torch.cat([cos, cos]), torch.cat([-sin, sin])
+
+    def _grow(self) -> None:
+        for kept in (self.keys, self.values):
+            for index, buffer in enumerate(kept):
+                kept[index] = torch.cat([buffer, buffer.new_empty((self.kv_heads, self.growth, self.head_dim))], dim=1)
+
+    @staticmethod
+    def _norm(norm, x: torch.Tensor) -> torch.Tensor:
+        """transformers' RMSNorm: float32 statistics, the result rounded to the input's dtype, then the weight."""
+        return norm.weight * F.rms_norm(x.float(), x.shape[-1:], None, norm.variance_epsilon).to(x.dtype)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        """rotate_half's rotation: x * cos + (-x2, x1) * sin, for (heads, head_dim)."""
+        halves = x.view(x.shape[0], 2, self.head_dim // 2).flip(1).view(x.shape)
+        return x * cos + halves * signed_sin
+
+    def __call__(self, token: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """One token (1, 1) at rotary positions (4, 1, 1) -> next logits (1, vocab)."""
+        position = self.length
+        if position == self.keys[0].shape[1]:
+            self._grow()
+        hidden = self.embed_tokens(token.view(1))  # (1, hidden)
+        if self.hidden_dtype is not None:
+            hidden = hidden.to(self.hidden_dtype)
+        cos, signed_sin = self._rotary(positions, hidden.dtype)
+        heads, kv_heads, dim, end = self.heads, self.kv_heads, self.head_dim, position + 1
+        for layer, keys, values in zip(self.layers, self.keys, self.values):
+            attention, mlp = layer.self_attn, layer.mlp
+            x = self._norm(layer.input_layernorm, hidden)
+            query = self._rotate(self._norm(attention.q_norm, attention.q_proj(x).view(heads, dim)), cos, signed_sin)
+            key = self._rotate(self._norm(attention.k_norm, attention.k_proj(x).view(kv_heads, dim)), cos, signed_sin)
+            keys[:, position].copy_(key)
+            values[:, position].copy_(attention.v_proj(x).view(kv_heads, dim))
+            grouped = query.float().view(kv_heads, heads // kv_heads, dim)
+            probs = torch.softmax(torch.bmm(grouped, keys[:, :end].transpose(1, 2)) * self.scaling, dim=-1)
+            out = torch.bmm(probs, values[:, :end]).view(1, heads * dim).to(hidden.dtype)
+            hidden = hidden + attention.o_proj(out)
+            x = self._norm(layer.post_attention_layernorm, hidden)
+            hidden = hidden + mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
+        self.length = end
+        return self.lm_head(self._norm(self.final_norm, hidden))
