@@ -37,7 +37,7 @@ from .images import (
     load_request_images,
     vision_token_count,
 )
-from .memory import available_bytes, estimate_request_bytes
+from .memory import available_bytes, back_with_huge_pages, estimate_request_bytes
 from .metrics import RequestMetrics, RssSampler
 from .model_loading import LoadedModel, ProgressCallback, load_model, may_compile, pack_remaining_linears
 from .prefix_cache import CachedSequence, PrefixCache, image_spans
@@ -204,6 +204,8 @@ class Engine(StreamingMixin):
         started = time.perf_counter()
         self.loaded: LoadedModel = compute.run(load_model, self.config, progress=report)
         self._decode_step, decode_note = compute.run(self._prepare_decode_step, progress=report)
+        report(0.965, "Moving the weights onto huge pages")
+        log.info("weights: %.2f GB of the process on huge pages", back_with_huge_pages() / 1e9)
         text_config = self.loaded.model.config.get_text_config()
         self.info = EngineInfo(
             model=self.loaded.name,

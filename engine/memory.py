@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import sys
 
 import psutil
 
@@ -37,3 +38,51 @@ def release_freed_memory() -> None:
         ctypes.CDLL(name).malloc_trim(0)
     except (OSError, AttributeError, TypeError):  # not glibc: nothing to do
         pass
+
+
+MADV_COLLAPSE = 25  # Linux 6.1+: back a range with huge pages now (khugepaged would take minutes, if ever)
+HUGE_PAGE = 2 << 20
+
+
+def huge_page_bytes() -> int:
+    """This process's anonymous memory backed by huge pages (0 where the kernel does not say)."""
+    try:
+        with open("/proc/self/smaps_rollup") as rollup:
+            for line in rollup:
+                if line.startswith("AnonHugePages:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def back_with_huge_pages(min_bytes: int = 4 * HUGE_PAGE) -> int:
+    """Move the process's large anonymous regions (the weights, once loaded) onto 2 MB pages; returns the bytes
+    now backed by huge pages.
+
+    Decode streams every weight once a token, and with 4 KB pages every 4 KB of it is one more TLB entry to find.
+    Measured on the AVX-512 BF16 EPYC, 2 threads, the language model's Linear shapes, the same weights on huge
+    pages against 4 KB ones in one process (30 interleaved rounds, median): int8 26.5 against 24.1 GB/s, float32
+    28.2 against 26.7, bfloat16 21.9 against 20.9. Distributions enable transparent huge pages only where a
+    program asks ("madvise"), and PyTorch asks only with THP_MEM_ALLOC_ENABLE=1 and only for its own allocations
+    (fbgemm's int8 weights are not), so this asks the kernel for each region. Costs about 2.5 s per GB, once, at
+    load. Where the kernel cannot (not Linux, older than 6.1, huge pages disabled) nothing changes."""
+    if not sys.platform.startswith("linux"):
+        return 0
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        with open("/proc/self/maps") as maps:
+            lines = maps.readlines()
+    except (OSError, TypeError):
+        return 0
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    for line in lines:
+        fields = line.split()
+        anonymous = len(fields) < 6 or fields[5] == "[heap]"
+        if not anonymous or "w" not in fields[1]:
+            continue
+        low, high = (int(value, 16) for value in fields[0].split("-"))
+        start, end = -(-low // HUGE_PAGE) * HUGE_PAGE, high // HUGE_PAGE * HUGE_PAGE
+        if end - start >= min_bytes:
+            libc.madvise(start, end - start, MADV_COLLAPSE)  # a part that cannot be collapsed stays as it was
+    return huge_page_bytes()

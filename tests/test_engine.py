@@ -524,3 +524,27 @@ def test_a_closed_engine_frees_its_model(tiny_model, tmp_path, images_dir, compi
         from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
         assert _debug_get_cache_entry_list(CompiledDecodeStep._step.__code__) == []
+
+
+def _kernel_can_collapse() -> bool:
+    import platform
+
+    try:
+        mode = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        return False
+    major, minor = (int(part) for part in platform.release().split(".")[:2])
+    return "[never]" not in mode and (major, minor) >= (6, 1)
+
+
+@pytest.mark.skipif(not _kernel_can_collapse(), reason="needs Linux 6.1+ with transparent huge pages not 'never'")
+def test_large_regions_move_onto_huge_pages():
+    """Weights are read once a token: on 2 MB pages rather than 4 KB ones (engine/memory.py has the figures)."""
+    from engine.memory import back_with_huge_pages, huge_page_bytes
+
+    weights = torch.ones(64 << 20, dtype=torch.uint8)  # touched, so backed by 4 KB pages now
+    before = huge_page_bytes()
+    after = back_with_huge_pages()
+    assert after == huge_page_bytes()
+    assert after - before >= 32 << 20, (before, after)
+    assert int(weights.sum()) == 64 << 20  # the contents moved with it
