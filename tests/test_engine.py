@@ -510,6 +510,14 @@ def test_a_closed_engine_frees_its_model(tiny_model, tmp_path, images_dir, compi
     import gc
     import weakref
 
+    def live_tensor_bytes() -> int:
+        gc.collect()
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        return sum(o.untyped_storage().nbytes() for o in gc.get_objects() if isinstance(o, torch.Tensor)
+                   and not isinstance(o, FakeTensor) and o.layout == torch.strided and not o.is_meta)
+
+    before = live_tensor_bytes()
     engine = Engine(EngineConfig(model=str(tiny_model), db_path=str(tmp_path / "m.db"), warmup=False,
                                  compile=compile_mode))
     engine.ask(ChatRequest(prompt="Describe", images=(images_dir / "chelsea.png",), max_new_tokens=2))
@@ -520,6 +528,8 @@ def test_a_closed_engine_frees_its_model(tiny_model, tmp_path, images_dir, compi
     del engine
     gc.collect()
     assert model() is None
+    # Nor any copy of its weights (the compiled step's frozen ones lived on in inductor's generated module).
+    assert live_tensor_bytes() - before < 1 << 20
     if compiled:  # nor does Dynamo's own cache hold the compiled graph (with freezing, the weights)
         from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
