@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache, StaticCache
 
-from .generate import decode_one_token, prefill
+from .generate import append_decoded, decode_one_token, prefill
 from .preprocess import chat_messages, tokenize_prompt
 
 log = logging.getLogger(__name__)
@@ -85,12 +85,9 @@ class CompiledDecodeStep:
         PyCodeCache.cache_clear()
 
     def give_back(self, cache: DynamicCache, length: int) -> None:
-        """Append to `cache` the keys and values the steps added, up to `length` positions, so that the prefix cache
-        keeps this answer for the conversation's next turn."""
-        for index, (static, layer) in enumerate(zip(self._cache.layers, cache.layers)):
-            start = layer.keys.shape[2]
-            if length > start:
-                cache.update(static.keys[:, :, start:length].clone(), static.values[:, :, start:length].clone(), index)
+        """Append to `cache` the keys and values the steps added, up to `length` positions."""
+        layers = self._cache.layers
+        append_decoded(cache, [layer.keys for layer in layers], [layer.values for layer in layers], length)
 
 
 def _steps_ms(model, prompt, step: CompiledDecodeStep | None, count: int) -> tuple[float, list[int]]:

@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from .generate import append_decoded
+
 # Keys and values are stored this many positions at a time: a request grows its buffers a few times at most.
 GROWTH = 256
 
@@ -60,14 +62,8 @@ class DirectDecodeStep:
                 kept.append(buffer)
 
     def give_back(self, cache: DynamicCache, length: int) -> None:
-        """Append to `cache` the keys and values the steps added, up to `length` positions, so that the prefix cache
-        keeps this answer for the conversation's next turn."""
-        for index, layer in enumerate(cache.layers):
-            start = layer.keys.shape[2]
-            if length > start:
-                dtype = layer.keys.dtype
-                cache.update(self.keys[index][None, :, start:length].to(dtype, copy=True),
-                             self.values[index][None, :, start:length].to(dtype, copy=True), index)
+        """Append to `cache` the keys and values the steps added, up to `length` positions; the buffers go."""
+        append_decoded(cache, [keys[None] for keys in self.keys], [values[None] for values in self.values], length)
         self.keys, self.values = [], []
 
     def release(self) -> None:

@@ -46,6 +46,18 @@ def next_positions(text_position: int, rope_delta: int, count: int = 1) -> torch
     return torch.cat([text, (text + rope_delta).expand(3, 1, -1)], dim=0)
 
 
+def append_decoded(cache: DynamicCache, keys, values, length: int) -> None:
+    """Append to a prefilled `cache` what a decode step kept elsewhere: positions from the cache's own length up to
+    `length` of each layer's (1, kv heads, n, head dim) `keys` and `values`, in the cache's dtype, so that the prefix
+    cache keeps the answer for the conversation's next turn."""
+    for index, (layer, layer_keys, layer_values) in enumerate(zip(cache.layers, keys, values)):
+        start = layer.keys.shape[2]
+        if length > start:
+            dtype = layer.keys.dtype
+            cache.update(layer_keys[:, :, start:length].to(dtype, copy=True),
+                         layer_values[:, :, start:length].to(dtype, copy=True), index)
+
+
 def next_token_logits(model, hidden: torch.Tensor) -> torch.Tensor:
     """The LM head on the last position only.
 
