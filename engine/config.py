@@ -45,7 +45,7 @@ class EngineConfig:
     dtype: str = "float32"
     compute_dtype: str = "auto"
     kernels: str = "packed"
-    # The decode step compiled with inductor over a static KV cache (engine/decode_step.py): auto compiles where it
+    # The direct decode step compiled with inductor, segment by segment (engine/decode_step.py): auto compiles where it
     # is measured faster at load (bfloat16 on CPUs that compute in it), on always tries, off never does.
     compile: str = "auto"
     threads: int = dataclasses.field(default_factory=default_threads)

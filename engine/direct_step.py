@@ -1,4 +1,4 @@
-"""A one-token decode step written out over the model's own weights: the eager path's decode, gpt-fast's way.
+"""A one-token decode step written out over the model's own weights, gpt-fast's way; eager, or compiled by layer.
 
 transformers' forward is built for every case (any batch, masks, cache kinds, output capture); for one token it
 runs thousands of small operations around the 197 products that read the weights (profiled on the full-size int8
@@ -7,12 +7,24 @@ about 30 operations a layer, on keys and values kept in float32 buffers of this 
 object, no copy of the whole cache a step: transformers' DynamicCache concatenates, and a bfloat16 cache is
 widened for single_query_attention's float32 products at every step).
 
+A token is cut at its attentions into 29 segments (the head, then from each attention to the next: o_proj, MLP,
+the next layer's norms, projections and rotary). `compile()` hands each segment to inductor with the weights frozen
+as constants, so its products run on inductor's CPP GEMM templates and its small operations fuse; attention stays
+eager, over the used length of the buffers. transformers' forward compiled over a StaticCache instead (the former
+step) attended over the whole 2,048-position cache every token: inductor widened and transposed each layer's full
+bfloat16 keys (2.6 ms a layer), 196 against 302 ms/token eager at full size. One code object per segment: Dynamo
+caches compiled code by code object, and 29 entries on one would be searched in turn at every call.
+
 Everything transformers decides stays with transformers: prefill, images and the prefix cache use its forward and
-its DynamicCache. `take` copies a prefilled cache in, `give_back` appends the answer's keys and values to it, the
-interface of CompiledDecodeStep. By default the hidden state keeps the model's compute dtype between operations
-as transformers' layers do, and the logits are its forward's to the bit (tests/test_direct_step.py).
+its DynamicCache. `take` copies a prefilled cache in, `give_back` appends the answer's keys and values to it. By
+default the hidden state keeps the model's compute dtype between operations as transformers' layers do, and the
+eager step's logits are its forward's to the bit (tests/test_direct_step.py).
 """
 from __future__ import annotations
+
+import sys
+import types
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +58,8 @@ class DirectDecodeStep:
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.length = 0
+        self.segments: list[Callable] = [self._segment] * (len(self.layers) + 1)
+        self.compiled = False
 
     def fits(self, tokens: int) -> bool:
         return True  # the buffers grow as needed
@@ -67,7 +81,39 @@ class DirectDecodeStep:
         self.keys, self.values = [], []
 
     def release(self) -> None:
+        """Drop the buffers and the model's modules; a compiled step also frees its compiled code, which holds a
+        frozen copy of the weights. One engine is loaded at a time, so every compiled graph of the process goes."""
         self.keys, self.values, self.layers = [], [], []
+        self.embed_tokens = self.final_norm = self.lm_head = None
+        self.segments = []
+        if self.compiled:
+            self.compiled = False
+            release_compiled_code()
+
+    def compile(self, options: dict, progress: Callable[[int, int], None] | None = None) -> None:
+        """Compile every segment now, with inductor `options`, one at a time (progress(done, total) after each).
+        Run on the compute thread, under inference mode, as the steps will be: any other state recompiles."""
+        total = len(self.layers) + 1
+        code = DirectDecodeStep._segment.__code__
+        hidden_dtype = self.hidden_dtype or self.embed_tokens.weight.dtype
+        hidden = torch.zeros(1, self.embed_tokens.weight.shape[1], dtype=hidden_dtype)
+        attended = torch.zeros(self.kv_heads, self.heads // self.kv_heads, self.head_dim)
+        # Two tensors, not one: Dynamo guards on which inputs alias each other (one tensor for both recompiled every
+        # segment at its first real call, without these options: eager speed).
+        cos, signed_sin = torch.zeros(self.head_dim, dtype=hidden_dtype), torch.zeros(self.head_dim, dtype=hidden_dtype)
+        segments = []
+        # Set globally, not as torch.compile's options: Dynamo reads `freezing` while it traces, to keep the weights
+        # as constants instead of graph inputs.
+        with torch._inductor.config.patch(options):
+            for index in range(total):
+                function = types.FunctionType(code.replace(co_name=f"decode_segment_{index}"), globals(),
+                                              f"decode_segment_{index}")
+                segment = torch.compile(types.MethodType(function, self), dynamic=False)
+                segment(index, hidden, attended if index else None, cos, signed_sin)
+                segments.append(segment)
+                if progress is not None:
+                    progress(index + 1, total)
+        self.segments, self.compiled = segments, True
 
     def _rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin (head_dim,) for one token's (time, height, width) positions, rounded to `dtype` as
@@ -92,6 +138,24 @@ class DirectDecodeStep:
         halves = x.view(x.shape[0], 2, self.head_dim // 2).flip(1).view(x.shape)
         return x * cos + halves * signed_sin
 
+    def _segment(self, index: int, hidden: torch.Tensor, attended: torch.Tensor | None, cos: torch.Tensor,
+                 signed_sin: torch.Tensor):
+        """From layer index-1's attention output `attended` (none before layer 0) to layer `index`'s attention
+        inputs: (hidden, query in float32, key, value); past the last layer, the logits."""
+        if index > 0:
+            layer = self.layers[index - 1]
+            hidden = hidden + layer.self_attn.o_proj(attended.view(1, -1).to(hidden.dtype))
+            x = self._norm(layer.post_attention_layernorm, hidden)
+            mlp = layer.mlp
+            hidden = hidden + mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
+        if index == len(self.layers):
+            return self.lm_head(self._norm(self.final_norm, hidden))
+        attention, heads, kv_heads, dim = self.layers[index].self_attn, self.heads, self.kv_heads, self.head_dim
+        x = self._norm(self.layers[index].input_layernorm, hidden)
+        query = self._rotate(self._norm(attention.q_norm, attention.q_proj(x).view(heads, dim)), cos, signed_sin)
+        key = self._rotate(self._norm(attention.k_norm, attention.k_proj(x).view(kv_heads, dim)), cos, signed_sin)
+        return hidden, query.float(), key, attention.v_proj(x).view(kv_heads, dim)
+
     def __call__(self, token: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """One token (1, 1) at rotary positions (4, 1, 1) -> next logits (1, vocab)."""
         position = self.length
@@ -101,19 +165,27 @@ class DirectDecodeStep:
         if self.hidden_dtype is not None:
             hidden = hidden.to(self.hidden_dtype)
         cos, signed_sin = self._rotary(positions, hidden.dtype)
-        heads, kv_heads, dim, end = self.heads, self.kv_heads, self.head_dim, position + 1
-        for layer, keys, values in zip(self.layers, self.keys, self.values):
-            attention, mlp = layer.self_attn, layer.mlp
-            x = self._norm(layer.input_layernorm, hidden)
-            query = self._rotate(self._norm(attention.q_norm, attention.q_proj(x).view(heads, dim)), cos, signed_sin)
-            key = self._rotate(self._norm(attention.k_norm, attention.k_proj(x).view(kv_heads, dim)), cos, signed_sin)
+        groups, end, attended = self.heads // self.kv_heads, position + 1, None
+        for index, (segment, keys, values) in enumerate(zip(self.segments, self.keys, self.values)):
+            hidden, query, key, value = segment(index, hidden, attended, cos, signed_sin)
             keys[:, position].copy_(key)
-            values[:, position].copy_(attention.v_proj(x).view(kv_heads, dim))
-            grouped = query.float().view(kv_heads, heads // kv_heads, dim)
+            values[:, position].copy_(value)
+            grouped = query.view(self.kv_heads, groups, self.head_dim)
             probs = torch.softmax(torch.bmm(grouped, keys[:, :end].transpose(1, 2)) * self.scaling, dim=-1)
-            out = torch.bmm(probs, values[:, :end]).view(1, heads * dim).to(hidden.dtype)
-            hidden = hidden + attention.o_proj(out)
-            x = self._norm(layer.post_attention_layernorm, hidden)
-            hidden = hidden + mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
+            attended = torch.bmm(probs, values[:, :end])
         self.length = end
-        return self.lm_head(self._norm(self.final_norm, hidden))
+        return self.segments[-1](len(self.layers), hidden, attended, cos, signed_sin)
+
+
+def release_compiled_code() -> None:
+    """Free every compiled graph of the process and the weights frozen into them. Dynamo keeps compiled code in a
+    cache of its own, keyed by code object; inductor registers the Python module it generates per graph in
+    sys.modules, and that module's globals hold the frozen (and CPP GEMM-packed) weights: 4.4 GB of the full-size
+    bfloat16 model stayed after close without this, and an int8 engine loaded next decoded slower beside it."""
+    torch._dynamo.reset()
+    from torch._inductor.codecache import PyCodeCache
+
+    for module in list(PyCodeCache.modules):
+        if sys.modules.get(module.__name__) is module:
+            del sys.modules[module.__name__]
+    PyCodeCache.cache_clear()

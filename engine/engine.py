@@ -28,7 +28,6 @@ from .errors import (
     PromptTooLong,
     VlscopeError,
 )
-from .decode_step import CompiledDecodeStep
 from .direct_step import DirectDecodeStep
 from .generate import Sampler, decode_n_tokens, encode_images, prefill
 from .images import (
@@ -269,7 +268,7 @@ class Engine(StreamingMixin):
 
     # ---- internals ----------------------------------------------------------------------------------------------
 
-    def _prepare_decode_step(self, progress) -> tuple[CompiledDecodeStep | DirectDecodeStep | None, str]:
+    def _prepare_decode_step(self, progress) -> tuple[DirectDecodeStep | None, str]:
         loaded, config = self.loaded, self.config
         if config.kv_cache:
             step, note = decode_step.prepare(loaded, config.compile, Path(config.db_path).parent / "inductor",
@@ -280,9 +279,7 @@ class Engine(StreamingMixin):
             if may_compile(config, loaded.compute_dtype):
                 pack_remaining_linears(loaded.model, loaded.compute_dtype, progress)  # left plain for the compiler
             if config.kv_cache:
-                # int8 products take and give float32: rounding the hidden state to bfloat16 between them is work
-                # for nothing (full-size int8: 76.0 against 78.8 ms/token p10, the same greedy tokens).
-                step = DirectDecodeStep(loaded.model, torch.float32 if loaded.dtype == "int8" else None)
+                step = DirectDecodeStep(loaded.model, decode_step.hidden_dtype(loaded))
                 note = f"direct decode step; {note}"
         log.info("decode: %s", note)
         return step, note

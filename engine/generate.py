@@ -24,7 +24,7 @@ class DecodeState:
     mm_token_type_ids: torch.Tensor | None = None
     image_grid_thw: torch.Tensor | None = None
     generated: list[int] = field(default_factory=list)
-    step: object = None  # a CompiledDecodeStep holding this request's keys and values, or None: eager steps
+    step: object = None  # a DirectDecodeStep holding this request's keys and values, or None: transformers' forward
 
 
 def encode_images(model, patches: ImagePatches):
