@@ -1,4 +1,4 @@
-"""A one-token decode step written out over the model's own weights, gpt-fast's way; eager, or compiled by layer.
+"""A one-token decode step written out over the model's own weights, gpt-fast's way; eager, or compiled by segment.
 
 transformers' forward is built for every case (any batch, masks, cache kinds, output capture); for one token it
 runs thousands of small operations around the 197 products that read the weights (profiled on the full-size int8
