@@ -61,9 +61,6 @@ class DirectDecodeStep:
         self.segments: list[Callable] = [self._segment] * (len(self.layers) + 1)
         self.compiled = False
 
-    def fits(self, tokens: int) -> bool:
-        return True  # the buffers grow as needed
-
     def take(self, cache: DynamicCache) -> None:
         """Start from a prefilled cache: its keys and values are copied in."""
         self.length = cache.layers[0].keys.shape[2]

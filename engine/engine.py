@@ -356,7 +356,7 @@ class Engine(StreamingMixin):
                                     cache=reused.cache if reused else None, start=start)
             token = sampler(logits)
             step = self._decode_step
-            if step is not None and state.cache is not None and step.fits(prompt_tokens + max_new_tokens):
+            if step is not None and state.cache is not None:  # its buffers grow: any length fits
                 step.take(state.cache)
                 state.step = step
         status = self._decode(job, trace, state, token, sampler)
