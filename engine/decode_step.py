@@ -78,7 +78,7 @@ def prepare(loaded, mode: str, cache_dir: Path, progress=None) -> tuple[DirectDe
         while not done.wait(1.0):
             report(0.9 + 0.06 * segments[0] / max(segments[1], 1),
                    f"Compiling the decode step: {segments[0]} of {segments[1] or '?'} segments, "
-                   f"{time.perf_counter() - started:.0f} s (about 2 minutes the first time on this machine)")
+                   f"{time.perf_counter() - started:.0f} s (1-2 minutes at each load on this machine)")
 
     def compiled_one(count: int, total: int) -> None:
         segments[:] = [count, total]
@@ -91,7 +91,6 @@ def prepare(loaded, mode: str, cache_dir: Path, progress=None) -> tuple[DirectDe
             step = DirectDecodeStep(model, hidden_dtype(loaded))
             step.compile(COMPILE_OPTIONS, compiled_one)
             compile_s = time.perf_counter() - started
-            _steps_ms(model, prompt, step, 2)  # the first real call: a recompile would show here, not in the timing
             compiled_ms, compiled_tokens = _steps_ms(model, prompt, step, 8)
             eager_ms, eager_tokens = _steps_ms(model, prompt, DirectDecodeStep(model, hidden_dtype(loaded)), 8)
     except Exception as exc:  # an inductor or compiler failure: eager decode still works
