@@ -25,7 +25,7 @@ from engine import compute
 from engine.config import PROJECT_DIR, SKELETON_DIR, EngineConfig, shared_dir
 from engine.engine import Engine
 from engine.images import fit_to_budget
-from engine.metrics import RssSampler
+from engine.metrics import PeakRss
 from engine.model_loading import has_weights, load_model
 from engine.preprocess import single_image_inputs
 from engine.quantize import LINEAR_KINDS
@@ -183,7 +183,7 @@ def run_baseline_case(model_source: str, case: Case, image: Image.Image, threads
     # compute_dtype pinned to the weights' dtype: a plain from_pretrained in that dtype, none of vlscope's choices.
     config = EngineConfig(model=model_source, dtype=case.dtype, threads=threads, warmup=False,
                           compute_dtype="float32" if case.dtype == "float32" else "bfloat16")
-    with RssSampler() as rss:
+    with PeakRss() as rss:
         started = time.perf_counter()
         loaded = load_model(config)
         load_s = time.perf_counter() - started

@@ -37,7 +37,7 @@ from .images import (
     vision_token_count,
 )
 from .memory import available_bytes, back_with_huge_pages, estimate_request_bytes
-from .metrics import RequestMetrics, RssSampler
+from .metrics import RequestMetrics, PeakRss
 from .model_loading import LoadedModel, ProgressCallback, load_model, may_compile, pack_remaining_linears
 from .prefix_cache import CachedSequence, PrefixCache, image_spans
 from .preprocess import chat_messages, image_grids, patchify_images, tokenize_prompt
@@ -294,7 +294,7 @@ class Engine(StreamingMixin):
         trace.start()
         error: BaseException | None = None
         status = OK
-        with torch.inference_mode(), RssSampler() as rss:
+        with torch.inference_mode(), PeakRss() as rss:
             try:
                 status = CANCELLED if job.cancelled.is_set() else self._generate(job, trace)
             except VlscopeError as exc:

@@ -11,6 +11,7 @@ from engine import (Busy, ChatRequest, Engine, EngineConfig, InvalidImage, Metri
                     PromptTooLong, Queued, RequestMetrics, StageStarted, TextChunk, Turn)
 from engine.generate import Sampler, decode_n_tokens, encode_images, prefill
 from engine.images import fit_to_budget, load_image
+from engine.metrics import PeakRss
 from engine.model_loading import load_model
 from engine.preprocess import chat_messages, patchify_images, tokenize_prompt
 from engine.quantize import Bf16Embedding, Bf16Linear, Int8Linear, PackedLinear
@@ -65,6 +66,18 @@ def test_stream_yields_text_then_complete_metrics(engine, images_dir):
     assert metrics.rss_before_bytes > 0 and metrics.rss_peak_bytes >= max(metrics.rss_before_bytes, metrics.rss_after_bytes)
     assert metrics.weight_bytes > 0 and metrics.synthetic is False
     assert engine.store.get(metrics.id) == metrics
+
+
+@pytest.mark.parametrize("kernel_mark", [True, False])
+def test_peak_rss_catches_a_short_lived_allocation(kernel_mark):
+    """A 400 MB buffer that lives 50 ms inside the block shows in its peak and is gone after, whether the kernel's
+    high-water mark or the polling thread measures it."""
+    with PeakRss(kernel_mark=kernel_mark) as rss:
+        buffer = torch.ones(100_000_000)  # float32, written: resident
+        time.sleep(0.05)
+        del buffer
+    assert rss.peak >= rss.before + 350_000_000
+    assert rss.after <= rss.peak - 350_000_000
 
 
 def test_text_only_and_multi_turn_with_several_images(engine, images_dir):
