@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.compute import runs_on_compute_thread
 from engine.system import (
     HIDDEN,
     INTERMEDIATE,
@@ -41,6 +42,7 @@ def probe(dtype: torch.dtype, layers: int = 4) -> dict:
     }
 
 
+@runs_on_compute_thread
 def advise(report: SystemReport | None = None) -> PrecisionAdvice:
     report = report or system_report()
     fp32, bf16 = probe(torch.float32), probe(torch.bfloat16)

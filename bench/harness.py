@@ -75,6 +75,7 @@ class CaseResult:
 
 # ---- the machine's ceilings ------------------------------------------------------------------------------------
 
+@compute.runs_on_compute_thread
 def measure_ceilings(threads: int) -> dict:
     """Memory bandwidth (read of a tensor much larger than the caches) and matmul rates at model-like shapes."""
     torch.set_num_threads(threads)
@@ -176,6 +177,7 @@ def run_interleaved(engine: Engine, other, case: Case, image: Image.Image, repea
     return ours, theirs
 
 
+@compute.runs_on_compute_thread
 def run_baseline_case(model_source: str, case: Case, image: Image.Image, threads: int) -> tuple[float, list[dict]]:
     """What a first deployment does: load, the processor's default image budget, model.generate, no warm-up."""
     from transformers import TextStreamer
@@ -228,6 +230,7 @@ def run_baseline_case(model_source: str, case: Case, image: Image.Image, threads
 
 # ---- drift of each precision against float32 ------------------------------------------------------------------
 
+@compute.runs_on_compute_thread
 def measure_drift(model_source: str, image: Image.Image, dtypes: list[str], new_tokens: int, threads: int,
                   report: Report) -> dict:
     """Teacher-forced on float32's own greedy answer: how often each precision picks float32's top token, and
@@ -348,7 +351,7 @@ def sweep_on_engine(engine: Engine, images_dir: Path, report: Report, cases=APP_
     """A small sweep on an already loaded engine (the app's): no second model in memory, same report format."""
     machine = system_report()
     report(0.0, "measuring the machine's ceilings")
-    ceilings = compute.run(measure_ceilings, engine.config.threads)
+    ceilings = measure_ceilings(engine.config.threads)
     lm_bytes, lm_params = engine.loaded.decode_weight_bytes, language_model_params(engine.loaded.model)
     results = []
     for index, template in enumerate(cases):
@@ -390,7 +393,7 @@ def _run_case(case: Case, model: str, images_dir: Path, threads: int, repeats: i
     image = bench_image(case.image, images_dir)
     if case.baseline:
         _release(engines)
-        load_s, runs = compute.run(run_baseline_case, model, case, image, threads)
+        load_s, runs = run_baseline_case(model, case, image, threads)
         return CaseResult(case, runs, load_s)
     if case.engine_key() not in engines:
         _release(engines)
@@ -448,7 +451,7 @@ def run_bench(model: str, quick: bool, repeats: int, images_dir: Path, out_dir: 
     threads = machine.physical_cores
     remote = _connect(against, db_path) if against else None  # before any measuring: a wrong URL fails at once
     report(0.0, "measuring the machine's ceilings and which precision suits it")
-    ceilings = compute.run(measure_ceilings, threads)
+    ceilings = measure_ceilings(threads)
     advice = advise(machine)
     cases = plan(quick, threads, advice.recommended)
     total_steps = len(cases) + 2 + int(drift)
@@ -477,7 +480,7 @@ def run_bench(model: str, quick: bool, repeats: int, images_dir: Path, out_dir: 
     if remote is not None:
         remote.close()
     # A shared VM's speed drifts over minutes: a ceiling is the best rate seen, measured before and after.
-    ceilings = best_ceilings(ceilings, compute.run(measure_ceilings, threads))
+    ceilings = best_ceilings(ceilings, measure_ceilings(threads))
     results = [by_case[case] for case in cases]
     for result in results:
         bytes_, params = lm_facts.get(result.case.dtype, (None, None))
@@ -487,7 +490,7 @@ def run_bench(model: str, quick: bool, repeats: int, images_dir: Path, out_dir: 
         drift_image = bench_image("448x448", images_dir)
         if quick:  # drift is read at text positions; a 64-token image keeps it short where compute is slow
             drift_image = drift_image.resize((256, 256), Image.BICUBIC)
-        drift_results = compute.run(measure_drift, model, drift_image, ["bfloat16", "int8"], 8 if quick else 32, threads, report)
+        drift_results = measure_drift(model, drift_image, ["bfloat16", "int8"], 8 if quick else 32, threads, report)
         advance("drift measured")
     synthetic = not has_weights(Path(model)) if Path(model).is_dir() else False
     document = {

@@ -7,7 +7,6 @@ import streamlit as st
 from bench.advisor import advise
 from bench.harness import (cases_table, default_images_dir, markdown_report, reference_result, report_figure,
                           sweep_on_engine)
-from engine import compute
 from engine.config import PROJECT_DIR
 from ui.engine_resource import get_engine
 
@@ -32,7 +31,7 @@ with right:
     st.subheader("Precision advice for this CPU")
     if st.button("Measure float32 against bfloat16", key="run_advice"):
         with st.spinner("Probing matmul and weight streaming…"):
-            st.session_state["advice"] = dataclasses.asdict(compute.run(advise))
+            st.session_state["advice"] = dataclasses.asdict(advise())
     advice = st.session_state.get("advice")
     if advice:
         st.success(f"Recommended: **{advice['recommended']}** (the default stays float32).")
