@@ -44,16 +44,22 @@ MADV_COLLAPSE = 25  # Linux 6.1+: back a range with huge pages now (khugepaged w
 HUGE_PAGE = 2 << 20
 
 
-def huge_page_bytes() -> int:
-    """This process's anonymous memory backed by huge pages (0 where the kernel does not say)."""
+def proc_bytes(path: str, field: str) -> int | None:
+    """A "Field:  N kB" line of a /proc file (status, smaps_rollup) in bytes; None where the kernel has no such
+    file or line."""
     try:
-        with open("/proc/self/smaps_rollup") as rollup:
-            for line in rollup:
-                if line.startswith("AnonHugePages:"):
+        with open(path) as lines:
+            for line in lines:
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return 0
+    return None
+
+
+def huge_page_bytes() -> int:
+    """This process's anonymous memory backed by huge pages (0 where the kernel does not say)."""
+    return proc_bytes("/proc/self/smaps_rollup", "AnonHugePages") or 0
 
 
 def back_with_huge_pages(min_bytes: int = 4 * HUGE_PAGE) -> int:

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import psutil
 
+from .memory import proc_bytes
+
 
 @dataclass(frozen=True)
 class RequestMetrics:
@@ -131,12 +133,4 @@ def _restart_high_water_mark() -> bool:
 
 
 def _high_water_mark() -> int | None:
-    """VmHWM in bytes, or None where the kernel does not report it."""
-    try:
-        with open("/proc/self/status") as handle:
-            for line in handle:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    return proc_bytes("/proc/self/status", "VmHWM")

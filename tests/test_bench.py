@@ -147,9 +147,11 @@ def test_tune_measures_each_option_on_the_same_tokens(tiny_model, images_dir):
         t.tokens != trials[0].tokens for t in trials)
 
 
-def _threads_before_and_after_measuring(then: str = "") -> tuple[int, int]:
-    """In a fresh process (whose threads can be counted): the process's threads once the compute thread has its
-    OpenMP team, and after the advice and the ceilings are measured from the main thread, then `then` runs there."""
+def test_measurements_called_from_another_thread_run_on_the_compute_thread():
+    """The advice and the ceilings, called from the main thread, run their PyTorch work on the engine's compute
+    thread: no OpenMP team (a new worker thread) is left on the caller's. One there slowed every later decode step
+    of the quick bench (README, "The engine API"). In a fresh process, whose threads can be counted; the same count
+    does see a team started on the main thread."""
     code = (
         "import os, torch\n"
         "from engine import compute\n"
@@ -160,21 +162,12 @@ def _threads_before_and_after_measuring(then: str = "") -> tuple[int, int]:
         "before = threads()\n"
         "advise()\n"
         "measure_ceilings(2)\n"
-        f"{then}\n"
-        "print(before, threads())\n"
+        "measured = threads()\n"
+        "torch.ones(4_000_000).sum()\n"
+        "print(before, measured, threads())\n"
     )
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
                          check=True)
-    before, after = map(int, run.stdout.split())
-    return before, after
-
-
-def test_measurements_called_from_another_thread_run_on_the_compute_thread():
-    """The advice and the ceilings, called from the main thread, run their PyTorch work on the engine's compute
-    thread: no OpenMP team (a new worker thread) is left on the caller's. One there slowed every later decode step
-    of the quick bench (README, "The engine API")."""
-    before, after = _threads_before_and_after_measuring()
-    assert after == before
-    # The same count does see a team started on the main thread.
-    before, after = _threads_before_and_after_measuring(then="torch.ones(4_000_000).sum()")
-    assert after > before
+    before, measured, after_main_thread_work = map(int, run.stdout.split())
+    assert measured == before
+    assert after_main_thread_work > measured
