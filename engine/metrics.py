@@ -1,4 +1,4 @@
-"""What one request cost: a frozen record, filled at stage boundaries, plus the RSS sampler that watches memory."""
+"""What one request cost: a frozen record, filled at stage boundaries, plus the peak of the process's memory around it."""
 from __future__ import annotations
 
 import dataclasses
@@ -88,9 +88,10 @@ class PeakRss:
 
     On Linux the kernel keeps the high-water mark itself (VmHWM in /proc/self/status; writing 5 to
     /proc/self/clear_refs restarts it): exact, and nothing runs beside the block. Elsewhere a thread polls every
-    `interval_s`. The poller cost decode time: its 5 ms wake-ups preempt one of the two compute threads, and a
-    decode step waits for its slowest thread (bfloat16, one process, interleaved: see the README's decode notes).
-    One request runs at a time, so restarting the process-wide mark is this block's to do."""
+    `interval_s`. The poller cost decode time: its wake-ups preempt one of the two compute threads, and a decode
+    step waits for its slowest thread (full-size int8, one process, 8 interleaved rounds: 91.5 ms/token p50 with a
+    5 ms poller, 80.2 without). One request runs at a time, so restarting the process-wide mark is this block's to
+    do; blocks do not nest."""
 
     def __init__(self, interval_s: float = 0.005, kernel_mark: bool = True):
         self.interval_s, self.use_kernel_mark = interval_s, kernel_mark
