@@ -101,15 +101,21 @@ class DirectDecodeStep:
         segments = []
         # Set globally, not as torch.compile's options: Dynamo reads `freezing` while it traces, to keep the weights
         # as constants instead of graph inputs.
-        with torch._inductor.config.patch(options):
-            for index in range(total):
-                function = types.FunctionType(code.replace(co_name=f"decode_segment_{index}"), globals(),
-                                              f"decode_segment_{index}")
-                segment = torch.compile(types.MethodType(function, self), dynamic=False)
-                segment(index, hidden, attended if index else None, cos, signed_sin)
-                segments.append(segment)
-                if progress is not None:
-                    progress(index + 1, total)
+        try:
+            with torch._inductor.config.patch(options):
+                for index in range(total):
+                    function = types.FunctionType(code.replace(co_name=f"decode_segment_{index}"), globals(),
+                                                  f"decode_segment_{index}")
+                    segment = torch.compile(types.MethodType(function, self), dynamic=False)
+                    segment(index, hidden, attended if index else None, cos, signed_sin)
+                    segments.append(segment)
+                    if progress is not None:
+                        progress(index + 1, total)
+        except BaseException:
+            # The segments compiled before the failure hold frozen weights too; `compiled` is not set yet, so
+            # release() would not free them.
+            release_compiled_code()
+            raise
         self.segments, self.compiled = segments, True
 
     def _rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
