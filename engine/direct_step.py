@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from .fusion import stacked_products
 from .generate import append_decoded
 
 # Keys and values are stored this many positions at a time: a request grows its buffers a few times at most.
@@ -150,14 +151,16 @@ class DirectDecodeStep:
             hidden = hidden + layer.self_attn.o_proj(attended.view(1, -1).to(hidden.dtype))
             x = self._norm(layer.post_attention_layernorm, hidden)
             mlp = layer.mlp
-            hidden = hidden + mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
+            gate, up = stacked_products((mlp.gate_proj, mlp.up_proj), x)
+            hidden = hidden + mlp.down_proj(mlp.act_fn(gate) * up)
         if index == len(self.layers):
             return self.lm_head(self._norm(self.final_norm, hidden))
         attention, heads, kv_heads, dim = self.layers[index].self_attn, self.heads, self.kv_heads, self.head_dim
         x = self._norm(self.layers[index].input_layernorm, hidden)
-        query = self._rotate(self._norm(attention.q_norm, attention.q_proj(x).view(heads, dim)), cos, signed_sin)
-        key = self._rotate(self._norm(attention.k_norm, attention.k_proj(x).view(kv_heads, dim)), cos, signed_sin)
-        return hidden, query.float(), key, attention.v_proj(x).view(kv_heads, dim)
+        query, key, value = stacked_products((attention.q_proj, attention.k_proj, attention.v_proj), x)
+        query = self._rotate(self._norm(attention.q_norm, query.view(heads, dim)), cos, signed_sin)
+        key = self._rotate(self._norm(attention.k_norm, key.view(kv_heads, dim)), cos, signed_sin)
+        return hidden, query.float(), key, value.view(kv_heads, dim)
 
     def __call__(self, token: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """One token (1, 1) at rotary positions (4, 1, 1) -> next logits (1, vocab)."""

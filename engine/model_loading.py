@@ -23,6 +23,7 @@ from torch import nn
 from . import attention
 from .config import EngineConfig
 from .errors import ModelUnavailable
+from .fusion import stack_projections_
 from .memory import release_freed_memory
 from .quantize import (
     LINEAR_KINDS,
@@ -239,6 +240,7 @@ def load_model(config: EngineConfig, progress: ProgressCallback | None = None) -
             raise _unavailable(source, exc) from None
     model.eval()
     model.requires_grad_(False)
+    stack_projections_(model)
     if config.dtype == "int8":
         report(0.8, "Quantizing the language model's Linear layers to int8")
         quantize_int8_(model)

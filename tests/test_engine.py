@@ -12,7 +12,8 @@ from engine import (Busy, ChatRequest, Engine, EngineConfig, InvalidImage, Metri
 from engine.generate import Sampler, decode_n_tokens, encode_images, prefill
 from engine.images import fit_to_budget, load_image
 from engine.metrics import PeakRss
-from engine.model_loading import load_model
+from engine.fusion import StackedPart, stack_projections_, stacked_products
+from engine.model_loading import decode_weight_bytes, load_model
 from engine.preprocess import chat_messages, patchify_images, tokenize_prompt
 from engine.quantize import Bf16Embedding, Bf16Linear, Int8Linear, PackedLinear
 
@@ -107,7 +108,7 @@ def test_bf16_int8_and_no_kv_cache_run(make_engine, images_dir):
         assert metrics.dtype == engine.config.dtype and metrics.kv_cache == engine.config.kv_cache
         assert metrics.compute_dtype == settings.get("compute_dtype", "float32") == engine.info.compute_dtype
     int8, plain = make_engine(dtype="int8").loaded, make_engine().loaded
-    layer = int8.model.model.language_model.layers[0].mlp.up_proj
+    layer = int8.model.model.language_model.layers[0].mlp.gate_up_proj.linear
     assert isinstance(layer, Int8Linear) and layer.packed_nbytes == layer.in_features * layer.out_features
     assert isinstance(int8.model.lm_head, Int8Linear)
     assert int8.weight_bytes < plain.weight_bytes
@@ -230,7 +231,7 @@ def test_skeleton_folder_loads_synthetic_weights(make_engine, tiny_skeleton):
     assert engine.info.synthetic
     metrics = engine.ask(ChatRequest(prompt="Hi", max_new_tokens=3)).metrics
     assert metrics.synthetic and metrics.status == "ok"
-    weights = engine.loaded.model.model.language_model.layers[0].mlp.up_proj.unpacked()
+    weights = engine.loaded.model.model.language_model.layers[0].mlp.gate_up_proj.linear.unpacked()
     assert torch.isfinite(weights).all() and weights.std() > 0  # filled, not left as garbage or zeros
 
 
@@ -302,6 +303,34 @@ def test_packed_linear_matches_f_linear_and_engines_agree(make_engine, images_di
     head = plain_engine.loaded.model.lm_head.weight
     assert packed_engine.loaded.weight_bytes == plain_engine.loaded.weight_bytes + head.numel() * head.element_size()
     assert packed_engine.ask(request).text == plain_engine.ask(request).text
+
+
+def test_stacked_projections_compute_what_the_separate_linears_did(tiny_model):
+    """q, k, v and gate, up stacked: the model's forward gives the same logits, each old name hands out its slice,
+    the separate weights are gone and the weights a decode step reads are counted once."""
+    from transformers import Qwen3VLForConditionalGeneration
+
+    model = Qwen3VLForConditionalGeneration.from_pretrained(str(tiny_model), dtype=torch.float32).eval()
+    ids = torch.tensor([[1, 20, 300, 4000, 50, 6]])
+    attention = model.model.language_model.layers[0].self_attn
+    x = torch.randn(1, 3, attention.q_proj.in_features)
+    with torch.inference_mode():
+        expected_logits = model(input_ids=ids).logits
+        expected_parts = [attention.q_proj(x), attention.k_proj(x), attention.v_proj(x)]
+        bytes_before = decode_weight_bytes(model)
+        assert stack_projections_(model) == 2 * len(model.model.language_model.layers)
+        assert decode_weight_bytes(model) == bytes_before
+        assert isinstance(attention.q_proj, StackedPart) and attention.qkv_proj.linear.weight.shape[0] == sum(
+            part.shape[-1] for part in expected_parts)
+        assert torch.allclose(model(input_ids=ids).logits, expected_logits, atol=1e-5, rtol=1e-5)
+        # in any order; once each part is handed out, nothing of the product is kept alive
+        for name, expected in reversed(list(zip(("q_proj", "k_proj", "v_proj"), expected_parts))):
+            assert torch.allclose(getattr(attention, name)(x), expected, atol=1e-5, rtol=1e-5)
+        assert attention.qkv_proj._input is None
+        for _ in range(2):  # one name alone, twice
+            assert torch.allclose(attention.k_proj(x), expected_parts[1], atol=1e-5, rtol=1e-5)
+        stacked = stacked_products((attention.q_proj, attention.k_proj, attention.v_proj), x)
+        assert all(torch.allclose(got, want, atol=1e-5, rtol=1e-5) for got, want in zip(stacked, expected_parts))
 
 
 def test_bf16_linear_keeps_bfloat16_weights_and_float32_outputs():
