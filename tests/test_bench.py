@@ -74,12 +74,11 @@ def test_precision_advice_is_measured():
     assert any("GFLOP/s" in reason for reason in advice.reasons)
 
 
-def test_quick_plan_follows_the_advice_and_loads_each_model_once():
+def test_quick_plan_measures_follow_ups_in_each_precision_and_loads_each_model_once():
     def multi_turn(cases):
-        return [c.name for c in cases if c.group == "multi_turn"]
+        return [c.dtype for c in cases if c.group == "multi_turn"]
 
-    assert multi_turn(plan(True, 2, "bfloat16")) == ["multi-turn float32", "multi-turn bfloat16"]
-    assert multi_turn(plan(True, 2, "float32")) == ["multi-turn float32"]
+    assert multi_turn(plan(True, 2)) == ["float32", "bfloat16", "int8"]
     for cases in (plan(True, 2), plan(False, 4)):
         order = execution_order(cases)
         assert sorted(c.name for c in order) == sorted(c.name for c in cases)
