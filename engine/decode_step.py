@@ -5,7 +5,9 @@ inductor, weights frozen as constants, so it picks per Linear shape between its 
 prepacked product and fuses the small operations around them; attention stays eager over the used length.
 
 Measured on the AVX-512 BF16 EPYC, 2 threads, full-size model (README, "The compiled direct step"): bfloat16
-111-141 ms/token compiled against 249-265 eager, the same greedy tokens. Freezing keeps a copy of the language
+111-141 ms/token compiled against 249-265 eager, the same greedy tokens. Eager bfloat16 on fbgemm's float16 copy of
+the weights (engine/quantize.py, fp16_packed) decodes as fast as compiled with no compile at load, so `auto`
+compiles bfloat16 only where those products are missing. Freezing keeps a copy of the language
 model's weights beside the eager ones, which prefill still uses: float32 compiled decodes 1.4x faster but takes
 RSS to 17.6 GB, so `auto` leaves it eager; int8's fbgemm products are opaque to the compiler (called from the
 segments as a custom op: 78.1 against 78.4 ms/token, other greedy tokens), so int8 stays eager too.
@@ -23,6 +25,7 @@ import torch
 from .direct_step import DirectDecodeStep
 from .generate import decode_one_token, prefill
 from .preprocess import chat_messages, tokenize_prompt
+from .quantize import fp16_products_work
 
 log = logging.getLogger(__name__)
 
@@ -30,11 +33,21 @@ COMPILE_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_ba
                    "triton.cudagraphs": False}
 
 
+def compiles_when_auto(dtype: str, compute_dtype: str) -> bool:
+    """Whether VLSCOPE_COMPILE=auto compiles the decode step: only bfloat16 computing in bfloat16, and only where
+    fbgemm's float16 products are missing (engine/quantize.py, fp16_packed): they read the weights faster than the
+    compiled step's oneDNN products, with no compile at load."""
+    return dtype == "bfloat16" and compute_dtype == "bfloat16" and not fp16_products_work()
+
+
 def hidden_dtype(loaded) -> torch.dtype | None:
-    """What the direct step keeps its hidden state in between operations. int8 products take and give float32:
-    rounding it to bfloat16 between them is work for nothing (full-size int8: 76.0 against 78.8 ms/token p10, the
-    same greedy tokens). Otherwise the model's own dtype, as transformers' layers keep it."""
-    return torch.float32 if loaded.dtype == "int8" else None
+    """What the direct step keeps its hidden state in between operations. int8 products, and bfloat16 ones on
+    fbgemm's float16 copy, take and give float32: rounding it to bfloat16 between them is work for nothing
+    (full-size int8: 76.0 against 78.8 ms/token p10, the same greedy tokens). Otherwise the model's own dtype, as
+    transformers' layers keep it."""
+    if loaded.dtype == "int8":
+        return torch.float32
+    return getattr(loaded.model.lm_head, "one_row_dtype", None)
 
 
 def _steps_ms(model, prompt, step: DirectDecodeStep, count: int) -> tuple[float, list[int]]:
@@ -63,7 +76,10 @@ def prepare(loaded, mode: str, cache_dir: Path, progress=None) -> tuple[DirectDe
     report = progress or (lambda fraction, message: None)
     if mode == "off":
         return None, "eager decode (compilation off)"
-    if mode == "auto" and not (loaded.dtype == "bfloat16" and loaded.compute_dtype == "bfloat16"):
+    if mode == "auto" and getattr(loaded.model.lm_head, "one_row_dtype", None) is not None:
+        return None, ("eager decode: bfloat16 decodes on fbgemm's float16 copy of the weights, as fast as compiled "
+                      "with no compile (engine/quantize.py, fp16_packed); VLSCOPE_COMPILE=on forces compiling")
+    if mode == "auto" and not compiles_when_auto(loaded.dtype, loaded.compute_dtype):
         return None, (f"eager decode: {loaded.dtype} weights with {loaded.compute_dtype} compute decode no faster "
                       "compiled, or do not fit twice in memory (engine/decode_step.py); VLSCOPE_COMPILE=on forces it")
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir))

@@ -22,12 +22,14 @@ from torch import nn
 
 from . import attention
 from .config import EngineConfig
+from .decode_step import compiles_when_auto
 from .errors import ModelUnavailable
 from .fusion import stack_projections_
 from .memory import release_freed_memory
 from .quantize import (
     LINEAR_KINDS,
     compute_in_float32_,
+    fp16_products_work,
     linear_weight_bytes,
     pack_linears_,
     packing_works,
@@ -273,8 +275,7 @@ def load_model(config: EngineConfig, progress: ProgressCallback | None = None) -
 
 def may_compile(config: EngineConfig, compute_dtype: str) -> bool:
     """Whether loading should leave the language model ready for a compiled decode step (engine/decode_step.py)."""
-    return config.compile == "on" or (config.compile == "auto" and config.dtype == "bfloat16"
-                                      and compute_dtype == "bfloat16")
+    return config.compile == "on" or (config.compile == "auto" and compiles_when_auto(config.dtype, compute_dtype))
 
 
 def pack_remaining_linears(model: nn.Module, compute_dtype: str, progress: ProgressCallback | None = None) -> None:
@@ -285,7 +286,10 @@ def pack_remaining_linears(model: nn.Module, compute_dtype: str, progress: Progr
         return
     if progress is not None:
         progress(0.92, f"Packing {compute_dtype} weights for oneDNN's kernels")
-    pack_linears_(model, wide)
+    one_row_fp16 = compute_dtype == "bfloat16" and fp16_products_work()
+    if one_row_fp16 and progress is not None:
+        progress(0.93, "Packing bfloat16 weights for oneDNN (prefill) and as float16 for fbgemm (decode)")
+    pack_linears_(model, wide, one_row_fp16)
     release_freed_memory()
 
 

@@ -295,6 +295,17 @@ def test_packed_linear_matches_f_linear_and_engines_agree(make_engine, images_di
             assert got.dtype == dtype and got.shape == (2, rows, 96)
             assert torch.allclose(got.float(), linear(x).float(), atol=tolerance, rtol=tolerance)
         assert torch.equal(packed.unpacked(), linear.weight.detach())
+    # A bfloat16 weight with fbgemm's float16 copy: one row runs on it (float32 in, float32 out), more rows on oneDNN.
+    linear = torch.nn.Linear(64, 96).to(torch.bfloat16)
+    packed = PackedLinear(linear, one_row_fp16=True)
+    assert packed.one_row_dtype == torch.float32 and "fbgemm float16" in repr(packed)
+    assert packed.read_nbytes == 64 * 96 * 2 and packed.packed_nbytes == 2 * packed.read_nbytes
+    reference = linear.float()
+    for dtype, rows, tolerance in ((torch.float32, 1, 1e-4), (torch.bfloat16, 1, 0.05), (torch.bfloat16, 40, 0.05)):
+        x = torch.randn(2 if rows > 1 else 1, rows, 64).to(dtype)
+        got = packed(x)
+        assert got.dtype == dtype and got.shape == (*x.shape[:-1], 96)
+        torch.testing.assert_close(got.float(), reference(x.float()), atol=tolerance, rtol=tolerance)
     request = ChatRequest(prompt="Describe", images=(images_dir / "chelsea.png",), max_new_tokens=8)
     packed_engine, plain_engine = make_engine(), make_engine(kernels="plain")
     assert isinstance(packed_engine.loaded.model.lm_head, PackedLinear)
@@ -549,6 +560,22 @@ def test_compiled_decode_step_gives_the_eager_tokens(make_engine, images_dir):
 def test_auto_compile_keeps_float32_eager_and_says_why(make_engine):
     engine = make_engine(compile="auto")  # float32: the frozen copy does not fit beside the eager weights
     assert engine.info.decode.startswith("direct decode step; eager decode: float32 weights")
+    assert engine.ask(ChatRequest(prompt="Hi", max_new_tokens=3)).metrics.status == "ok"
+
+
+def test_auto_compile_leaves_bfloat16_on_float16_products(make_engine):
+    """bfloat16 under auto decodes eager on fbgemm's float16 copy of the language model's weights (as fast as the
+    compiled step, no compile at load); the vision tower, which never runs one row, has none."""
+    engine = make_engine(compile="auto", dtype="bfloat16", compute_dtype="bfloat16")
+    assert "fbgemm's float16 copy" in engine.info.decode, engine.info.decode
+    model = engine.loaded.model
+    assert model.lm_head.one_row_dtype == torch.float32
+    assert model.model.language_model.layers[0].mlp.down_proj.one_row_dtype == torch.float32
+    assert all(module.one_row_dtype is None for module in model.model.visual.modules()
+               if isinstance(module, PackedLinear))
+    # Decode reads one copy of each weight: the bandwidth figures count it once.
+    plain = make_engine(compile="auto", dtype="bfloat16", compute_dtype="bfloat16", kernels="plain").loaded
+    assert engine.loaded.decode_weight_bytes == plain.decode_weight_bytes
     assert engine.ask(ChatRequest(prompt="Hi", max_new_tokens=3)).metrics.status == "ok"
 
 
