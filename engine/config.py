@@ -46,7 +46,8 @@ class EngineConfig:
     compute_dtype: str = "auto"
     kernels: str = "packed"
     # The direct decode step compiled with inductor, segment by segment (engine/decode_step.py): auto compiles where it
-    # is measured faster at load (bfloat16 on CPUs that compute in it), on always tries, off never does.
+    # is measured faster at load (bfloat16 on CPUs that compute in it, where fbgemm's float16 products are missing),
+    # on always tries, off never does.
     compile: str = "auto"
     threads: int = dataclasses.field(default_factory=default_threads)
     kv_cache: bool = True

@@ -28,9 +28,10 @@ with st.form("settings_form"):
              "weights kept compact. float32 weights always compute in float32.")
     compile_mode = right.selectbox(
         "Compiled decode step", COMPILE_MODES, index=COMPILE_MODES.index(current.compile), key="set_compile",
-        help="auto: compile at load where it measures faster than eager decode with the same tokens (bfloat16 on "
-             "CPUs that compute in it; 1-2 minutes at each load). on: always try (float32: a second copy of the "
-             "weights in memory). off: eager decode. A failed compile falls back to eager.")
+        help="auto: compile at load where it measures faster than eager decode with the same tokens (bfloat16 "
+             "where PyTorch lacks fbgemm's float16 products, which decode as fast with no compile; 1-2 minutes at "
+             "each load). on: always try (float32: a second copy of the weights in memory). off: eager decode. "
+             "A failed compile falls back to eager.")
     max_tokens = left.select_slider("Max vision tokens per image", [64, 128, 256, 512, 768, 1024, 1536, 2048, 4096],
                                     value=current.max_vision_tokens if current.max_vision_tokens in
                                     (64, 128, 256, 512, 768, 1024, 1536, 2048, 4096) else 1024, key="set_budget")
