@@ -76,10 +76,10 @@ def prepare(loaded, mode: str, cache_dir: Path, progress=None) -> tuple[DirectDe
     report = progress or (lambda fraction, message: None)
     if mode == "off":
         return None, "eager decode (compilation off)"
-    if mode == "auto" and getattr(loaded.model.lm_head, "one_row_dtype", None) is not None:
-        return None, ("eager decode: bfloat16 decodes on fbgemm's float16 copy of the weights, as fast as compiled "
-                      "with no compile (engine/quantize.py, fp16_packed); VLSCOPE_COMPILE=on forces compiling")
     if mode == "auto" and not compiles_when_auto(loaded.dtype, loaded.compute_dtype):
+        if getattr(loaded.model.lm_head, "one_row_dtype", None) is not None:
+            return None, ("eager decode: bfloat16 decodes on fbgemm's float16 copy of the weights, as fast as "
+                          "compiled with no compile (engine/quantize.py, fp16_packed); VLSCOPE_COMPILE=on forces it")
         return None, (f"eager decode: {loaded.dtype} weights with {loaded.compute_dtype} compute decode no faster "
                       "compiled, or do not fit twice in memory (engine/decode_step.py); VLSCOPE_COMPILE=on forces it")
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir))

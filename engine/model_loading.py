@@ -284,11 +284,10 @@ def pack_remaining_linears(model: nn.Module, compute_dtype: str, progress: Progr
     if not packing_works(wide):
         log.warning("oneDNN's packed Linear is not available or disagrees here: plain kernels")
         return
-    if progress is not None:
-        progress(0.92, f"Packing {compute_dtype} weights for oneDNN's kernels")
     one_row_fp16 = compute_dtype == "bfloat16" and fp16_products_work()
-    if one_row_fp16 and progress is not None:
-        progress(0.93, "Packing bfloat16 weights for oneDNN (prefill) and as float16 for fbgemm (decode)")
+    if progress is not None:
+        progress(0.92, "Packing bfloat16 weights for oneDNN (prefill) and as float16 for fbgemm (decode)"
+                 if one_row_fp16 else f"Packing {compute_dtype} weights for oneDNN's kernels")
     pack_linears_(model, wide, one_row_fp16)
     release_freed_memory()
 
