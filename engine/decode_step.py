@@ -25,7 +25,7 @@ import torch
 from .direct_step import DirectDecodeStep
 from .generate import decode_one_token, prefill
 from .preprocess import chat_messages, tokenize_prompt
-from .quantize import fp16_products_work
+from .quantize import keeps_fp16_copy
 
 log = logging.getLogger(__name__)
 
@@ -33,11 +33,12 @@ COMPILE_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_ba
                    "triton.cudagraphs": False}
 
 
-def compiles_when_auto(dtype: str, compute_dtype: str) -> bool:
+def compiles_when_auto(dtype: str, compute_dtype: str, kernels: str) -> bool:
     """Whether VLSCOPE_COMPILE=auto compiles the decode step: only bfloat16 computing in bfloat16, and only where
-    fbgemm's float16 products are missing (engine/quantize.py, fp16_packed): they read the weights faster than the
-    compiled step's oneDNN products, with no compile at load."""
-    return dtype == "bfloat16" and compute_dtype == "bfloat16" and not fp16_products_work()
+    packing leaves it without fbgemm's float16 copy (engine/quantize.py, fp16_packed): one-row products on it read
+    the weights faster than the compiled step's oneDNN products, with no compile at load."""
+    return (dtype == "bfloat16" and compute_dtype == "bfloat16"
+            and not (kernels == "packed" and keeps_fp16_copy(compute_dtype)))
 
 
 def hidden_dtype(loaded) -> torch.dtype | None:
@@ -66,7 +67,7 @@ def _steps_ms(model, prompt, step: DirectDecodeStep, count: int) -> tuple[float,
     return 1000 * sum(half) / len(half), tokens
 
 
-def prepare(loaded, mode: str, cache_dir: Path, progress=None) -> tuple[DirectDecodeStep | None, str]:
+def prepare(loaded, mode: str, kernels: str, cache_dir: Path, progress=None) -> tuple[DirectDecodeStep | None, str]:
     """Compile the decode step (mode "on"), or compile and keep it only where it measures faster ("auto").
 
     Returns the compiled step or None, and one line saying what was decided and why. A compiler failure falls back
@@ -76,7 +77,7 @@ def prepare(loaded, mode: str, cache_dir: Path, progress=None) -> tuple[DirectDe
     report = progress or (lambda fraction, message: None)
     if mode == "off":
         return None, "eager decode (compilation off)"
-    if mode == "auto" and not compiles_when_auto(loaded.dtype, loaded.compute_dtype):
+    if mode == "auto" and not compiles_when_auto(loaded.dtype, loaded.compute_dtype, kernels):
         if getattr(loaded.model.lm_head, "one_row_dtype", None) is not None:
             return None, ("eager decode: bfloat16 decodes on fbgemm's float16 copy of the weights, as fast as "
                           "compiled with no compile (engine/quantize.py, fp16_packed); VLSCOPE_COMPILE=on forces it")

@@ -271,8 +271,8 @@ class Engine(StreamingMixin):
     def _prepare_decode_step(self, progress) -> tuple[DirectDecodeStep | None, str]:
         loaded, config = self.loaded, self.config
         if config.kv_cache:
-            step, note = decode_step.prepare(loaded, config.compile, Path(config.db_path).parent / "inductor",
-                                             progress)
+            step, note = decode_step.prepare(loaded, config.compile, config.kernels,
+                                             Path(config.db_path).parent / "inductor", progress)
         else:
             step, note = None, "eager decode (no KV cache)"
         if step is None and config.kernels == "packed":

@@ -29,7 +29,7 @@ from .memory import release_freed_memory
 from .quantize import (
     LINEAR_KINDS,
     compute_in_float32_,
-    fp16_products_work,
+    keeps_fp16_copy,
     linear_weight_bytes,
     pack_linears_,
     packing_works,
@@ -275,7 +275,9 @@ def load_model(config: EngineConfig, progress: ProgressCallback | None = None) -
 
 def may_compile(config: EngineConfig, compute_dtype: str) -> bool:
     """Whether loading should leave the language model ready for a compiled decode step (engine/decode_step.py)."""
-    return config.compile == "on" or (config.compile == "auto" and compiles_when_auto(config.dtype, compute_dtype))
+    if config.compile == "auto":
+        return compiles_when_auto(config.dtype, compute_dtype, config.kernels)
+    return config.compile == "on"
 
 
 def pack_remaining_linears(model: nn.Module, compute_dtype: str, progress: ProgressCallback | None = None) -> None:
@@ -284,7 +286,7 @@ def pack_remaining_linears(model: nn.Module, compute_dtype: str, progress: Progr
     if not packing_works(wide):
         log.warning("oneDNN's packed Linear is not available or disagrees here: plain kernels")
         return
-    one_row_fp16 = compute_dtype == "bfloat16" and fp16_products_work()
+    one_row_fp16 = keeps_fp16_copy(compute_dtype)
     if progress is not None:
         progress(0.92, "Packing bfloat16 weights for oneDNN (prefill) and as float16 for fbgemm (decode)"
                  if one_row_fp16 else f"Packing {compute_dtype} weights for oneDNN's kernels")
