@@ -29,7 +29,7 @@ from .errors import (
     VlscopeError,
 )
 from .direct_step import DirectDecodeStep
-from .generate import Sampler, decode_n_tokens, encode_images, prefill
+from .generate import Sampler, decode_n_tokens, encode_images, prefill, prefill_text
 from .images import (
     enhance_for_ocr,
     fit_to_budget,
@@ -351,14 +351,18 @@ class Engine(StreamingMixin):
             presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
             logit_bias=request.logit_bias, top_logprobs=request.top_logprobs,
         )
+        step = self._decode_step if config.kv_cache else None
         with trace.stage(PREFILL):
-            logits, state = prefill(model, prompt, vision, all_grids, config.kv_cache,
-                                    cache=reused.cache if reused else None, start=start)
+            if step is not None and vision is None:  # text only from `start`: the step prefills it too
+                logits, state = prefill_text(model, prompt, all_grids, step,
+                                             cache=reused.cache if reused else None, start=start)
+            else:
+                logits, state = prefill(model, prompt, vision, all_grids, config.kv_cache,
+                                        cache=reused.cache if reused else None, start=start)
+                if step is not None:  # its buffers grow: any length fits
+                    step.take(state.cache)
+                    state.step = step
             token = sampler(logits)
-            step = self._decode_step
-            if step is not None and state.cache is not None:  # its buffers grow: any length fits
-                step.take(state.cache)
-                state.step = step
         status = self._decode(job, trace, state, token, sampler)
         if state.step is not None:
             state.step.give_back(state.cache, state.tokens.shape[1])

@@ -46,14 +46,16 @@ def next_positions(text_position: int, rope_delta: int, count: int = 1) -> torch
     return torch.cat([text, (text + rope_delta).expand(3, 1, -1)], dim=0)
 
 
-def append_decoded(cache: DynamicCache, keys, values, length: int) -> None:
+def append_decoded(cache: DynamicCache, keys, values, length: int, empty_dtype: torch.dtype) -> None:
     """Append to a prefilled `cache` what a decode step kept elsewhere: positions from the cache's own length up to
     `length` of each layer's (1, kv heads, n, head dim) `keys` and `values`, in the cache's dtype, so that the prefix
     cache keeps the answer for the conversation's next turn."""
     for index, (layer, layer_keys, layer_values) in enumerate(zip(cache.layers, keys, values)):
-        start = layer.keys.shape[2]
+        start = layer.get_seq_length()
         if length > start:
-            dtype = layer.keys.dtype
+            # A layer still empty (a text prompt the step prefilled) takes `empty_dtype`: what transformers' prefill
+            # would have stored.
+            dtype = layer.keys.dtype if start else empty_dtype
             cache.update(layer_keys[:, :, start:length].to(dtype, copy=True),
                          layer_values[:, :, start:length].to(dtype, copy=True), index)
 
@@ -102,6 +104,20 @@ def prefill(model, prompt: PromptTokens, vision, image_grid_thw, use_cache: bool
         image_grid_thw=None if use_cache else image_grid_thw,
     )
     return next_token_logits(model, hidden), state
+
+
+def prefill_text(model, prompt: PromptTokens, image_grid_thw, step, cache: DynamicCache | None = None,
+                 start: int = 0) -> tuple[torch.Tensor, DecodeState]:
+    """prefill, for a prompt whose tokens from `start` on are all text, run by the direct decode `step` (which then
+    decodes the answer): a follow-up question after a cached conversation, or a prompt without images. `cache`
+    holds the first `start` tokens; the step takes a copy of them and hands everything back at the end."""
+    positions, rope_delta = prompt_positions(model, prompt, image_grid_thw)
+    if cache is None:
+        cache = DynamicCache(config=model.config.get_text_config())
+    step.take(cache)
+    logits = step.extend(prompt.input_ids[:, start:], positions[:, :, start:])
+    return logits, DecodeState(cache=cache, rope_delta=rope_delta, tokens=prompt.input_ids, positions=positions,
+                               step=step)
 
 
 def decode_one_token(model, state: DecodeState, token: int) -> torch.Tensor:

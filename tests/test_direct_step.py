@@ -5,13 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 from PIL import Image
+from transformers import DynamicCache
 
 from engine.config import EngineConfig
 from engine.direct_step import DirectDecodeStep
-from engine.generate import decode_one_token, encode_images, prefill
+from engine.generate import decode_one_token, encode_images, prefill, prefill_text
 from engine.images import fit_to_budget
 from engine.model_loading import load_model
 from engine.preprocess import chat_messages, image_grids, patchify_images, tokenize_prompt
+from engine.request import Turn
 
 STEPS = 20
 
@@ -79,3 +81,76 @@ def test_direct_step_decodes_as_transformers_does(tiny_model, images_dir, dtype,
         assert got.keys.dtype == want.keys.dtype
         torch.testing.assert_close(got.keys.float(), want.keys.float(), atol=kv_tolerance, rtol=kv_tolerance)
         torch.testing.assert_close(got.values.float(), want.values.float(), atol=kv_tolerance, rtol=kv_tolerance)
+
+
+def _copy(cache: DynamicCache, length: int) -> DynamicCache:
+    return DynamicCache([(layer.keys[:, :, :length].clone(), layer.values[:, :, :length].clone())
+                         for layer in cache.layers])
+
+
+@pytest.mark.parametrize("dtype, compute, hidden, tolerance", CASES)
+def test_direct_prefill_of_a_follow_up_matches_transformers(tiny_model, images_dir, dtype, compute, hidden, tolerance):
+    """A follow-up question after a cached turn with an image, prefilled by the step: the logits of transformers'
+    prefill of the same tokens over the same cache, then the same greedy answer, and the cache it hands back is the
+    one transformers builds."""
+    loaded = load_model(EngineConfig(model=str(tiny_model), dtype=dtype, compute_dtype=compute, compile="off",
+                                     warmup=False))
+    picture = Image.open(images_dir / "coffee.png").convert("RGB")
+    size = fit_to_budget(*picture.size, EngineConfig().min_pixels, EngineConfig().max_pixels)
+    history = (Turn("user", "What is in it?", (picture,)), Turn("assistant", "A cup of coffee on a table."))
+    follow_up = tokenize_prompt(loaded.tokenizer, chat_messages(history, "What colours stand out?", [1, 0]), [size],
+                                loaded.image_token_id)
+    with torch.inference_mode():
+        _, first = _prefilled(loaded, picture)
+        same = (first.tokens[0] == follow_up.input_ids[0, :first.tokens.shape[1]]).tolist()
+        start = same.index(False) if False in same else len(same)
+        assert 0 < start < follow_up.input_ids.shape[1] - 8  # the image is cached, a dozen text tokens are new
+
+        expected_logits, reference = prefill(loaded.model, follow_up, None, image_grids([size]), True,
+                                             cache=_copy(first.cache, start), start=start)
+        expected_tokens, expected_steps = _decode(loaded, reference, int(expected_logits.argmax()))
+
+        step = DirectDecodeStep(loaded.model, hidden, growth=8)  # grows within the follow-up's prefill
+        logits, state = prefill_text(loaded.model, follow_up, image_grids([size]), step,
+                                     cache=_copy(first.cache, start), start=start)
+        tokens, steps = _decode(loaded, state, int(logits.argmax()), forced=expected_tokens)
+        step.give_back(state.cache, state.tokens.shape[1])
+
+    # Attention over many rows at once sums in another order than transformers' SDPA call: float32 agrees to
+    # rounding; bfloat16 rounds again between operations, and int8 may then round an activation to its next level.
+    tolerance = 1e-4 if dtype == "float32" else 0.15
+    torch.testing.assert_close(logits.float(), expected_logits.float(), atol=tolerance, rtol=0.0)
+    if dtype == "float32":
+        assert tokens == expected_tokens
+    for got, want in zip(steps, expected_steps):  # fed the same tokens
+        torch.testing.assert_close(got, want, atol=tolerance, rtol=0.0)
+    for got, want in zip(state.cache.layers, reference.cache.layers):
+        assert got.keys.shape == want.keys.shape and got.keys.dtype == want.keys.dtype
+        assert torch.equal(got.values[:, :, :start], want.values[:, :, :start])  # the cached turn, untouched
+        torch.testing.assert_close(got.values[:, :, start:].float(), want.values[:, :, start:].float(),
+                                   atol=2 * tolerance / 3, rtol=0.05)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_direct_prefill_of_a_text_prompt_fills_an_empty_cache(tiny_model, dtype):
+    """A prompt without images, prefilled by the step from nothing: transformers' logits, and a cache in the dtype
+    transformers would have stored, holding every prompt and answer token."""
+    loaded = load_model(EngineConfig(model=str(tiny_model), dtype=dtype, compute_dtype=dtype, compile="off",
+                                     warmup=False))
+    prompt = tokenize_prompt(loaded.tokenizer, chat_messages([], "Name three colours.", [0]), [],
+                             loaded.image_token_id)
+    with torch.inference_mode():
+        expected_logits, reference = prefill(loaded.model, prompt, None, None, True)
+        expected_tokens, expected_steps = _decode(loaded, reference, int(expected_logits.argmax()))
+        step = DirectDecodeStep(loaded.model)
+        logits, state = prefill_text(loaded.model, prompt, None, step)
+        tokens, steps = _decode(loaded, state, int(logits.argmax()), forced=expected_tokens)
+        step.give_back(state.cache, state.tokens.shape[1])
+
+    tolerance = 1e-4 if dtype == "float32" else 0.15  # as above
+    for got, want in zip([logits] + steps, [expected_logits] + expected_steps):
+        torch.testing.assert_close(got.float(), want.float(), atol=tolerance, rtol=0.0)
+    if dtype == "float32":
+        assert tokens == expected_tokens
+    assert state.cache.get_seq_length() == prompt.input_ids.shape[1] + STEPS
+    assert state.cache.layers[0].keys.dtype == reference.cache.layers[0].keys.dtype == getattr(torch, dtype)
