@@ -133,8 +133,8 @@ def test_direct_prefill_of_a_follow_up_matches_transformers(tiny_model, images_d
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_direct_prefill_of_a_text_prompt_fills_an_empty_cache(tiny_model, dtype):
-    """A prompt without images, prefilled by the step from nothing: transformers' logits, and a cache in the dtype
-    transformers would have stored, holding every prompt and answer token."""
+    """A prompt without images, prefilled by the step from nothing in chunks: transformers' logits, and a cache in
+    the dtype transformers would have stored, holding every prompt and answer token."""
     loaded = load_model(EngineConfig(model=str(tiny_model), dtype=dtype, compute_dtype=dtype, compile="off",
                                      warmup=False))
     prompt = tokenize_prompt(loaded.tokenizer, chat_messages([], "Name three colours.", [0]), [],
@@ -142,7 +142,8 @@ def test_direct_prefill_of_a_text_prompt_fills_an_empty_cache(tiny_model, dtype)
     with torch.inference_mode():
         expected_logits, reference = prefill(loaded.model, prompt, None, None, True)
         expected_tokens, expected_steps = _decode(loaded, reference, int(expected_logits.argmax()))
-        step = DirectDecodeStep(loaded.model)
+        # Prefilled 5 tokens at a time into buffers grown 8 positions at a time: several chunks and growths.
+        step = DirectDecodeStep(loaded.model, growth=8, chunk=5)
         logits, state = prefill_text(loaded.model, prompt, None, step)
         tokens, steps = _decode(loaded, state, int(logits.argmax()), forced=expected_tokens)
         step.give_back(state.cache, state.tokens.shape[1])
