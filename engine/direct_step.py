@@ -192,6 +192,8 @@ class DirectDecodeStep:
         6 interleaved rounds: int8 0.149 against 0.158 s, bfloat16 0.210 against 0.220 (its 16-row products alone
         take ~150 ms at 299 GFLOP/s: compute-bound on 2 cores)."""
         count = tokens.shape[1]
+        if count == 0:
+            raise ValueError("extend needs at least one token: the last one's logits are the result")
         self._make_room(self.length + count)
         for first in range(0, count, self.chunk):
             last = first + self.chunk >= count
@@ -207,9 +209,9 @@ class DirectDecodeStep:
         cos, signed_sin = self._rotary(positions, hidden.dtype)
         cos, signed_sin = cos[:, None], signed_sin[:, None]
         groups, last, attended = self.heads // self.kv_heads, len(self.layers), None
-        # Each new token sees the cached ones and the new ones up to itself. Attention as two batched products per
-        # key head, its query heads' rows stacked: SDPA over key heads expanded to the query heads took 0.42 ms a
-        # layer at 16 rows after 225 (full-size int8), as long as all the small operations of a layer together.
+        # Each new token sees the cached ones and the new ones up to itself. Attention as decode does it, two batched
+        # products per key head with its query heads' rows stacked (no key heads expanded to the query heads):
+        # 10.1 ms over 28 layers at 16 rows after 225 (full-size int8, profiled) against 11.6 for SDPA.
         hidden_from = torch.ones(rows, end, dtype=torch.bool).tril(start).logical_not_().repeat(groups, 1)
         for index, (keys, values) in enumerate(zip(self.keys, self.values)):
             hidden, query, key, value = self._segment(index, hidden, attended, cos, signed_sin)
