@@ -351,7 +351,7 @@ class Engine(StreamingMixin):
             presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
             logit_bias=request.logit_bias, top_logprobs=request.top_logprobs,
         )
-        step = self._decode_step if config.kv_cache else None
+        step = self._decode_step  # none without a KV cache
         with trace.stage(PREFILL):
             if step is not None and vision is None:  # text only from `start`: the step prefills it too
                 logits, state = prefill_text(model, prompt, all_grids, step,
