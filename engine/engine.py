@@ -38,6 +38,7 @@ from .images import (
 )
 from .memory import available_bytes, back_with_huge_pages, estimate_request_bytes
 from .metrics import RequestMetrics, PeakRss
+from .system import memory_read_gb_per_s
 from .model_loading import LoadedModel, ProgressCallback, load_model, may_compile, pack_remaining_linears
 from .prefix_cache import CachedSequence, PrefixCache, image_spans
 from .preprocess import chat_messages, image_grids, patchify_images, tokenize_prompt
@@ -83,6 +84,8 @@ class EngineInfo:
     kv_cache: bool = True
     decode_weight_bytes: int = 0  # weights one decode step reads (language model and head); 0 when unknown
     decode: str = ""  # how decode steps run (compiled or eager) and why, with the load-time measurement
+    notes: tuple[str, ...] = ()  # kernels this CPU cannot serve and what runs instead, one line each
+    read_ceiling_gb_per_s: float | None = None  # memory read rate measured at load on the compute thread
 
 
 class Detokenizer:
@@ -202,9 +205,11 @@ class Engine(StreamingMixin):
         self.store.mark_interrupted(psutil.pid_exists)  # requests a killed server left running
         started = time.perf_counter()
         self.loaded: LoadedModel = compute.run(load_model, self.config, progress=report)
-        self._decode_step, decode_note = compute.run(self._prepare_decode_step, progress=report)
+        self._decode_step, decode_note, step_notes = compute.run(self._prepare_decode_step, progress=report)
         report(0.965, "Moving the weights onto huge pages")
         log.info("weights: %.2f GB of the process on huge pages", back_with_huge_pages() / 1e9)
+        # Beside the engine's own OpenMP team, as decode reads: another thread's figure mixes in a second team.
+        read_ceiling = compute.run(memory_read_gb_per_s)
         text_config = self.loaded.model.config.get_text_config()
         self.info = EngineInfo(
             model=self.loaded.name,
@@ -218,6 +223,8 @@ class Engine(StreamingMixin):
             kv_cache=self.config.kv_cache,
             decode_weight_bytes=self.loaded.decode_weight_bytes,
             decode=decode_note,
+            notes=self.loaded.notes + step_notes,
+            read_ceiling_gb_per_s=read_ceiling,
         )
         self._generator = torch.Generator().manual_seed(self.config.seed)
         self._prefix_cache = PrefixCache(self.config.prefix_cache_entries if self.config.kv_cache else 0)
@@ -268,21 +275,22 @@ class Engine(StreamingMixin):
 
     # ---- internals ----------------------------------------------------------------------------------------------
 
-    def _prepare_decode_step(self, progress) -> tuple[DirectDecodeStep | None, str]:
-        loaded, config = self.loaded, self.config
+    def _prepare_decode_step(self, progress) -> tuple[DirectDecodeStep | None, str, tuple[str, ...]]:
+        loaded, config, notes = self.loaded, self.config, []
         if config.kv_cache:
             step, note = decode_step.prepare(loaded, config.compile, config.kernels,
                                              Path(config.db_path).parent / "inductor", progress)
         else:
             step, note = None, "eager decode (no KV cache)"
         if step is None and config.kernels == "packed":
-            if may_compile(config, loaded.compute_dtype):
-                pack_remaining_linears(loaded.model, loaded.compute_dtype, progress)  # left plain for the compiler
+            if may_compile(config, loaded.compute_dtype):  # left plain for the compiler
+                notes = [note for note in pack_remaining_linears(loaded.model, loaded.compute_dtype, progress)
+                         if note not in loaded.notes]
             if config.kv_cache:
                 step = DirectDecodeStep(loaded.model, decode_step.hidden_dtype(loaded))
                 note = f"direct decode step; {note}"
         log.info("decode: %s", note)
-        return step, note
+        return step, note, tuple(notes)
 
     def _on_cancel(self, job: Job) -> None:
         if self._queue.withdraw(job):  # cancelled while waiting: the worker will never see it

@@ -27,11 +27,14 @@ from .errors import ModelUnavailable
 from .fusion import stack_projections_
 from .memory import release_freed_memory
 from .quantize import (
+    INT8_WITHOUT_VNNI,
     LINEAR_KINDS,
     compute_in_float32_,
+    has_int8_dot_product,
     keeps_fp16_copy,
     linear_weight_bytes,
     pack_linears_,
+    packing_unavailable,
     packing_works,
     quantize_int8_,
 )
@@ -66,6 +69,7 @@ class LoadedModel:
     weight_bytes: int
     load_seconds: float
     decode_weight_bytes: int = 0  # bytes of weights one decode step reads: the language model's Linears and head
+    notes: tuple[str, ...] = ()  # kernels this CPU cannot serve and what runs instead, one line each
 
 
 def has_weights(folder: Path) -> bool:
@@ -250,11 +254,16 @@ def load_model(config: EngineConfig, progress: ProgressCallback | None = None) -
     if compute_dtype == "float32" and config.dtype != "float32":
         report(0.9, f"{config.dtype} weights, float32 compute (faster on this CPU)")
         compute_in_float32_(model)
+    notes = []
+    if config.dtype == "int8" and not has_int8_dot_product():
+        notes.append(INT8_WITHOUT_VNNI)
     if config.kernels == "packed":
         # A language model that may get a compiled decode step keeps plain Linears: inductor packs its own copy.
         # pack_remaining_linears packs them too if the step is not kept.
         scope = model.model.visual if may_compile(config, compute_dtype) else model
-        pack_remaining_linears(scope, compute_dtype, report)
+        notes.extend(pack_remaining_linears(scope, compute_dtype, report))
+    for note in notes:
+        log.warning("%s", note)
     release_freed_memory()
     report(0.95, "Model ready")
     return LoadedModel(
@@ -270,6 +279,7 @@ def load_model(config: EngineConfig, progress: ProgressCallback | None = None) -
         weight_bytes=weight_bytes(model),
         load_seconds=time.perf_counter() - started,
         decode_weight_bytes=decode_weight_bytes(model),
+        notes=tuple(notes),
     )
 
 
@@ -280,18 +290,20 @@ def may_compile(config: EngineConfig, compute_dtype: str) -> bool:
     return config.compile == "on"
 
 
-def pack_remaining_linears(model: nn.Module, compute_dtype: str, progress: ProgressCallback | None = None) -> None:
-    """oneDNN-packed kernels for every plain Linear left in `model` (the default kernels)."""
+def pack_remaining_linears(model: nn.Module, compute_dtype: str,
+                           progress: ProgressCallback | None = None) -> list[str]:
+    """oneDNN-packed kernels for every plain Linear left in `model` (the default kernels). Returns why not, where
+    this CPU or build cannot pack them: they then run on PyTorch's stock kernels."""
     wide = torch.float32 if compute_dtype == "float32" else torch.bfloat16
     if not packing_works(wide):
-        log.warning("oneDNN's packed Linear is not available or disagrees here: plain kernels")
-        return
+        return [packing_unavailable(wide)]
     one_row_fp16 = keeps_fp16_copy(compute_dtype)
     if progress is not None:
         progress(0.92, "Packing bfloat16 weights for oneDNN (prefill) and as float16 for fbgemm (decode)"
                  if one_row_fp16 else f"Packing {compute_dtype} weights for oneDNN's kernels")
     pack_linears_(model, wide, one_row_fp16)
     release_freed_memory()
+    return []
 
 
 def looks_like_hub_id(source: str) -> bool:

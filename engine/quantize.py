@@ -70,11 +70,15 @@ class CompactLinear(nn.Module):
 
 
 def has_int8_dot_product(flags: frozenset[str] | None = None) -> bool:
-    """VNNI (or AMX) adds int8 products in 32 bits; without it fbgemm's AVX2 path sums pairs in 16 bits, which
-    can saturate unless activations keep to 7 bits (PyTorch's reduce_range)."""
+    """VNNI (or AMX) adds int8 products in 32 bits; without it fbgemm's AVX2 path adds each pair of u8 x s8
+    products in 16 bits (vpmaddubsw), which saturates above 2 x 127 x 128 unless activations keep to 7 bits."""
     from .system import cpu_flags
 
     return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & (flags if flags is not None else cpu_flags()))
+
+
+INT8_WITHOUT_VNNI = ("int8: this CPU has no int8 dot-product instructions (AVX-512 VNNI, AVX-VNNI or AMX), so "
+                     "activations keep 7 bits (63 levels) and fbgemm's 16-bit sums cannot saturate")
 
 
 class Int8Linear(nn.Module):
@@ -94,6 +98,7 @@ class Int8Linear(nn.Module):
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         self.reduce_range = (not has_int8_dot_product()) if reduce_range is None else reduce_range
         self.levels = 63.0 if self.reduce_range else 127.0
+        self.zero_point = 64 if self.reduce_range else 128
         with warnings.catch_warnings():  # PyTorch marks quantized tensors deprecated; fbgemm's packing needs one
             warnings.simplefilter("ignore", UserWarning)
             qweight = torch._make_per_channel_quantized_tensor(quantized, scales.double(),
@@ -109,11 +114,12 @@ class Int8Linear(nn.Module):
         if rows.shape[0] == 1:  # one token: the op's own per-tensor scale is a per-token one
             out = torch.ops.quantized.linear_dynamic(rows, self._packed, self.reduce_range)
         else:
-            # Each row scaled to the int8 range, quantized with scale 1 (zero point 128 for fbgemm's uint8
-            # activations), then the row's scale multiplied back onto the float32 result.
+            # Each row scaled to +-levels, quantized with scale 1 to fbgemm's uint8 activations around a zero point
+            # (0..255 around 128; 1..127 around 64 with 7 bits, so that no pair of products overflows 16 bits),
+            # then the row's scale multiplied back onto the float32 result.
             row_scales = rows.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12).div_(self.levels)
             out = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
-                rows / row_scales, 1.0, 128, self._packed).mul_(row_scales)
+                rows / row_scales, 1.0, self.zero_point, self._packed).mul_(row_scales)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
@@ -264,14 +270,33 @@ def keeps_fp16_copy(compute_dtype: str) -> bool:
     return compute_dtype == "bfloat16" and fp16_products_work() and packing_works(torch.bfloat16)
 
 
+def packing_unavailable(dtype: torch.dtype) -> str:
+    """One line for the sidebar and the log: why `dtype` weights run on PyTorch's stock kernels here."""
+    from .system import cpu_flags
+
+    name = str(dtype).removeprefix("torch.")
+    if not torch.backends.mkldnn.is_available():
+        return f"{name}: this PyTorch build has no oneDNN, so Linear layers run on PyTorch's stock kernels"
+    if dtype == torch.bfloat16 and not ({"avx512bw", "avx512vl", "avx512dq"} <= cpu_flags()
+                                        or "avx_ne_convert" in cpu_flags()):
+        return (f"{name}: oneDNN cannot pack bfloat16 weights on this CPU (it needs AVX-512 BW/VL/DQ or "
+                "AVX-NE-CONVERT), so Linear layers run on PyTorch's stock kernels")
+    return f"{name}: oneDNN's packed Linear disagrees with F.linear here, so Linear layers run on stock kernels"
+
+
+@functools.cache
 def packing_works(dtype: torch.dtype) -> bool:
-    """oneDNN's packed product exists in this build and agrees with F.linear (checked once per load, tiny)."""
+    """oneDNN's packed product exists in this build and agrees with F.linear (checked once per process, tiny)."""
     if not torch.backends.mkldnn.is_available():
         return False
     try:
-        torch.manual_seed(0)
-        linear = nn.Linear(64, 48).to(dtype)
-        x = torch.randn(3, 64).to(dtype)
+        generator = torch.Generator().manual_seed(0)
+        linear = nn.Linear(64, 48)
+        with torch.no_grad():
+            linear.weight.copy_(torch.randn(48, 64, generator=generator) / 8)
+            linear.bias.copy_(torch.randn(48, generator=generator) / 8)
+        linear = linear.to(dtype)
+        x = torch.randn(3, 64, generator=generator).to(dtype)
         with torch.inference_mode():
             return torch.allclose(PackedLinear(linear)(x).float(), linear(x).float(), atol=0.05, rtol=0.02)
     except (RuntimeError, AttributeError):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import platform
 import time
 from dataclasses import dataclass
@@ -51,14 +52,30 @@ def _cpuinfo() -> tuple[str, set[str]]:
                 model = value.strip()
             elif key == "flags" and not flags:
                 flags = set(value.split())
+                if held_to_avx2():
+                    flags = {flag for flag in flags if not flag.startswith(_ABOVE_AVX2)}
     except OSError:
         pass
     return model, flags
 
 
+# Flags above AVX2 that change which kernels this project picks; VLSCOPE_MAX_CPU_ISA=avx2 hides them.
+_ABOVE_AVX2 = ("avx512", "avx_vnni", "avx_ne_convert", "amx")
+
+# Holds PyTorch, oneDNN, fbgemm and this project's own flag reading to AVX2 on a bigger CPU, so that one machine
+# also runs the paths an AVX2-only server takes. Set before torch is imported: a child process's environment.
+AVX2_DISPATCH = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2",
+                 "VLSCOPE_MAX_CPU_ISA": "avx2"}
+
+
+def held_to_avx2() -> bool:
+    return os.environ.get("VLSCOPE_MAX_CPU_ISA", "").lower() == "avx2"
+
+
 @functools.cache
 def cpu_flags() -> frozenset[str]:
-    """This CPU's feature flags as /proc/cpuinfo spells them (empty where there is no such file)."""
+    """This CPU's feature flags as /proc/cpuinfo spells them (empty where there is no such file), without those
+    above AVX2 when VLSCOPE_MAX_CPU_ISA=avx2."""
     return frozenset(_cpuinfo()[1])
 
 
@@ -72,12 +89,6 @@ def memory_read_gb_per_s(gib: float = 0.5, repeats: int = 3) -> float:
         big.sum()
         best = min(best, time.perf_counter() - started)
     return big.numel() * 4 / best / 1e9
-
-
-@functools.cache
-def read_ceiling_gb_per_s() -> float:
-    """memory_read_gb_per_s measured once per process (a fraction of a second), for pages that show decode's share."""
-    return memory_read_gb_per_s()
 
 
 def _thp_setting() -> str:

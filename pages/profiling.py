@@ -6,10 +6,10 @@ import streamlit as st
 
 from engine import STATUSES, stage_percentiles, to_csv
 from engine.trace import REFUSED
-from engine.system import ISA_FLAGS, read_ceiling_gb_per_s, system_report
+from engine.system import ISA_FLAGS, system_report
 from ui.charts import (label, latency_over_time, records_frame, rss_chart, server_stages, stage_bars,
                        token_latency_chart)
-from ui.engine_resource import get_store
+from ui.engine_resource import engine_slot, get_store
 
 WINDOWS = {"last 15 minutes": 15 * 60, "last hour": 3600, "last 24 hours": 86400, "all": None}
 GIB = 1 << 30
@@ -25,6 +25,12 @@ dtypes = controls[3].multiselect("Precision", ["float32", "bfloat16", "int8", "r
 switches = st.columns([1, 1, 4])
 show_warmups = switches[0].toggle("Show warm-ups", value=False, key="prof_warmups")
 live = switches[1].toggle("Live", value=True, key="prof_live", help="Refresh every 2 seconds; off to pause.")
+
+
+def read_ceiling() -> float | None:
+    """The loaded engine's memory read rate, measured at its load on its compute thread (None for a remote one)."""
+    loaded = engine_slot().loaded
+    return loaded.engine.info.read_ceiling_gb_per_s if loaded is not None else None
 
 
 @st.fragment(run_every=2 if live else None)
@@ -47,11 +53,13 @@ def live_view() -> None:
     top[3].metric("last total", f"{latest.e2e_s:.1f} s")
     top[4].metric("last peak RSS", f"{latest.rss_peak_bytes / GIB:.2f} GiB")
     rate = latest.decode_gb_per_s
-    ceiling = read_ceiling_gb_per_s() if rate else None
+    ceiling = read_ceiling() if rate else None
     top[5].metric("last decode read", f"{rate:.1f} GB/s" if rate else "–",
-                  delta=f"{rate / ceiling:.0%} of {ceiling:.0f} GB/s" if rate else None, delta_color="off",
+                  delta=f"{rate / ceiling:.0%} of {ceiling:.0f} GB/s" if rate and ceiling else None,
+                  delta_color="off",
                   help="Weights one decode step reads (the language model and its head) times tokens per second, "
-                       "against this machine's memory read rate, measured once: decode cannot go faster than that.")
+                       "against this machine's memory read rate, measured at load on the engine's compute thread: "
+                       "decode cannot go faster than that.")
 
     shown = records[:60]  # the newest; older ones stay in the table and the CSV
     st.subheader("Where the time went, per request")

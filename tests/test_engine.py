@@ -15,7 +15,11 @@ from engine.metrics import PeakRss
 from engine.fusion import StackedPart, stack_projections_, stacked_products
 from engine.model_loading import decode_weight_bytes, load_model
 from engine.preprocess import chat_messages, patchify_images, tokenize_prompt
-from engine.quantize import Bf16Embedding, Bf16Linear, Int8Linear, PackedLinear
+from engine.quantize import (Bf16Embedding, Bf16Linear, Int8Linear, PackedLinear, has_int8_dot_product,
+                             keeps_fp16_copy, packing_works)
+
+# Tests of the kernels a CPU may or may not have: tests/test_isa.py runs them again under AVX2-only dispatch.
+kernels = pytest.mark.kernels
 
 
 
@@ -253,10 +257,13 @@ def test_config_from_env():
         EngineConfig(dtype="int4")
 
 
+@kernels
 def test_int8_linear_matches_dequantised_weights():
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 96)
     quantized = Int8Linear(linear.weight, linear.bias)
+    # Without VNNI activations keep 7 bits, so fbgemm's 16-bit pair sums cannot saturate: twice the rounding.
+    assert quantized.levels == (127.0 if has_int8_dot_product() else 63.0)
     dequantised = quantized.dequantized()
     assert (dequantised - linear.weight).abs().max() <= quantized.scales.max() / 2 + 1e-6  # half a rounding step
     for rows in (1, 40):  # the one-token op and the per-row scaled op
@@ -264,29 +271,44 @@ def test_int8_linear_matches_dequantised_weights():
         expected = torch.nn.functional.linear(x, dequantised, linear.bias.detach())
         got = quantized(x)
         assert got.shape == (1, rows, 96) and got.dtype == torch.float32
-        # int8 activations: each row rounds to 1/127 of its largest value
-        assert torch.allclose(got, expected, atol=0.05, rtol=0.02)
+        # int8 activations: each row rounds to 1/levels of its largest value
+        assert torch.allclose(got, expected, atol=0.05 * 127 / quantized.levels, rtol=0.02)
         assert quantized(x.bfloat16()).dtype == torch.bfloat16  # computes for a bfloat16 model too
 
 
-def test_int8_linear_scales_activations_per_token():
-    """One token with a huge activation must not crush the precision of the others (per-token scales)."""
+@kernels
+@pytest.mark.parametrize("reduce_range", [False, True])
+def test_int8_linear_scales_activations_per_token(reduce_range):
+    """One token with a huge activation must not crush the precision of the others (per-token scales), with
+    8-bit activations and with the 7 bits a CPU without VNNI gets (where 8 would saturate its 16-bit sums)."""
+    if not reduce_range and not has_int8_dot_product():
+        pytest.skip("8-bit activations need int8 dot products (AVX-512 VNNI, AVX-VNNI or AMX): this CPU's fbgemm "
+                    "adds u8 x s8 pairs in 16 bits and would saturate; the 7-bit case runs")
     torch.manual_seed(0)
     linear = torch.nn.Linear(256, 128, bias=False)
-    quantized = Int8Linear(linear.weight, None)
+    quantized = Int8Linear(linear.weight, None, reduce_range=reduce_range)
     x = torch.randn(8, 256)
     x[0] *= 1000.0
     expected = torch.nn.functional.linear(x, quantized.dequantized())
     error = ((quantized(x) - expected).norm(dim=1) / expected.norm(dim=1))[1:]
-    assert error.max() < 0.02, error
+    # Rounding to 1/levels of a row's largest value: ~1% at 127 levels, ~2% at 63 (the saturated sums were 6-9%).
+    assert error.max() < 0.02 * 127 / quantized.levels, error
     # against one scale for the whole block (what a plain dynamic-quantized Linear does): far worse
     one_scale = torch.ops.quantized.linear_dynamic(x, quantized._packed, quantized.reduce_range)
     assert ((one_scale - expected).norm(dim=1) / expected.norm(dim=1))[1:].min() > 10 * error.max()
 
 
+@kernels
 def test_packed_linear_matches_f_linear_and_engines_agree(make_engine, images_dir):
     torch.manual_seed(0)
     for dtype, tolerance in ((torch.float32, 1e-4), (torch.bfloat16, 0.05)):
+        if not packing_works(dtype):  # the fallback: the engine keeps stock kernels and says why
+            name = str(dtype).removeprefix("torch.")
+            engine = make_engine(dtype=name, compute_dtype=name, compile="off")
+            assert type(engine.loaded.model.lm_head) is torch.nn.Linear
+            assert any(note.startswith(f"{name}: oneDNN cannot pack") for note in engine.info.notes), engine.info
+            assert engine.ask(ChatRequest(prompt="Hi", max_new_tokens=3)).metrics.status == "ok"
+            continue
         linear = torch.nn.Linear(64, 96).to(dtype)
         packed = PackedLinear(linear)
         for rows in (1, 40):
@@ -296,16 +318,11 @@ def test_packed_linear_matches_f_linear_and_engines_agree(make_engine, images_di
             assert torch.allclose(got.float(), linear(x).float(), atol=tolerance, rtol=tolerance)
         assert torch.equal(packed.unpacked(), linear.weight.detach())
     # A bfloat16 weight with fbgemm's float16 copy: one row runs on it (float32 in, float32 out), more rows on oneDNN.
-    linear = torch.nn.Linear(64, 96).to(torch.bfloat16)
-    packed = PackedLinear(linear, one_row_fp16=True)
-    assert packed.one_row_dtype == torch.float32 and "fbgemm float16" in repr(packed)
-    assert packed.read_nbytes == 64 * 96 * 2 and packed.packed_nbytes == 2 * packed.read_nbytes
-    reference = linear.float()
-    for dtype, rows, tolerance in ((torch.float32, 1, 1e-4), (torch.bfloat16, 1, 0.05), (torch.bfloat16, 40, 0.05)):
-        x = torch.randn(2 if rows > 1 else 1, rows, 64).to(dtype)
-        got = packed(x)
-        assert got.dtype == dtype and got.shape == (*x.shape[:-1], 96)
-        torch.testing.assert_close(got.float(), reference(x.float()), atol=tolerance, rtol=tolerance)
+    assert packing_works(torch.float32)  # oneDNN packs float32 on every x86 CPU with AVX2
+    if not packing_works(torch.bfloat16):
+        assert not keeps_fp16_copy("bfloat16")
+    else:
+        _check_fp16_copy()
     request = ChatRequest(prompt="Describe", images=(images_dir / "chelsea.png",), max_new_tokens=8)
     packed_engine, plain_engine = make_engine(), make_engine(kernels="plain")
     assert isinstance(packed_engine.loaded.model.lm_head, PackedLinear)
@@ -316,6 +333,20 @@ def test_packed_linear_matches_f_linear_and_engines_agree(make_engine, images_di
     assert packed_engine.ask(request).text == plain_engine.ask(request).text
 
 
+def _check_fp16_copy() -> None:
+    linear = torch.nn.Linear(64, 96).to(torch.bfloat16)
+    packed = PackedLinear(linear, one_row_fp16=True)
+    assert packed.one_row_dtype == torch.float32 and "fbgemm float16" in repr(packed)
+    assert packed.read_nbytes == 64 * 96 * 2 and packed.packed_nbytes == 2 * packed.read_nbytes
+    reference = linear.float()
+    for dtype, rows, tolerance in ((torch.float32, 1, 1e-4), (torch.bfloat16, 1, 0.05), (torch.bfloat16, 40, 0.05)):
+        x = torch.randn(2 if rows > 1 else 1, rows, 64).to(dtype)
+        got = packed(x)
+        assert got.dtype == dtype and got.shape == (*x.shape[:-1], 96)
+        torch.testing.assert_close(got.float(), reference(x.float()), atol=tolerance, rtol=tolerance)
+
+
+@kernels
 def test_stacked_projections_compute_what_the_separate_linears_did(tiny_model):
     """q, k, v and gate, up stacked: the model's forward gives the same logits, each old name hands out its slice,
     the separate weights are gone and the weights a decode step reads are counted once."""
@@ -344,6 +375,7 @@ def test_stacked_projections_compute_what_the_separate_linears_did(tiny_model):
         assert all(torch.allclose(got, want, atol=1e-5, rtol=1e-5) for got, want in zip(stacked, expected_parts))
 
 
+@kernels
 def test_bf16_linear_keeps_bfloat16_weights_and_float32_outputs():
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 96)
@@ -360,6 +392,7 @@ def test_bf16_linear_keeps_bfloat16_weights_and_float32_outputs():
     assert embedding.weight.data_ptr() != 0 and embedding(torch.tensor([[3, 5]])).dtype == torch.float32
 
 
+@kernels
 def test_compact_weights_with_float32_compute_track_the_float32_model(make_engine, images_dir):
     """bfloat16 weights computing in float32: same tokens as float32 on the tiny model, half the weight bytes,
     the LM head still sharing the embedding's tensor, and float32 activations."""
@@ -469,6 +502,7 @@ def test_sampling_options_stop_seed_logprobs_penalties_and_bias(engine, images_d
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@kernels
 def test_single_query_attention_matches_sdpa(dtype):
     """The decode step's attention (grouped-query, with and without a mask) against transformers' sdpa path."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -557,15 +591,27 @@ def test_compiled_decode_step_gives_the_eager_tokens(make_engine, images_dir):
     assert answers["on"][:2] == answers["off"][:2]
 
 
+@kernels
 def test_auto_compile_keeps_float32_eager_and_says_why(make_engine):
     engine = make_engine(compile="auto")  # float32: the frozen copy does not fit beside the eager weights
     assert engine.info.decode.startswith("direct decode step; eager decode: float32 weights")
     assert engine.ask(ChatRequest(prompt="Hi", max_new_tokens=3)).metrics.status == "ok"
 
 
+@kernels
 def test_auto_compile_leaves_bfloat16_on_float16_products(make_engine):
     """bfloat16 under auto decodes eager on fbgemm's float16 copy of the language model's weights (as fast as the
-    compiled step, no compile at load); the vision tower, which never runs one row, has none."""
+    compiled step, no compile at load); the vision tower, which never runs one row, has none. Where oneDNN cannot
+    pack bfloat16 (no AVX-512 BW/VL/DQ or AVX-NE-CONVERT) there is no copy: auto measures the compiled step against
+    eager at load and keeps the faster, saying which and why."""
+    if not keeps_fp16_copy("bfloat16"):
+        engine = make_engine(compile="auto", dtype="bfloat16", compute_dtype="bfloat16")
+        assert engine.info.decode.startswith(("compiled decode step (", "direct decode step; eager decode: measured",
+                                              "direct decode step; eager decode: the compiled step")), engine.info
+        assert getattr(engine.loaded.model.lm_head, "one_row_dtype", None) is None
+        assert any("oneDNN cannot pack bfloat16" in note for note in engine.info.notes), engine.info.notes
+        assert engine.ask(ChatRequest(prompt="Hi", max_new_tokens=3)).metrics.status == "ok"
+        return
     engine = make_engine(compile="auto", dtype="bfloat16", compute_dtype="bfloat16")
     assert "fbgemm's float16 copy" in engine.info.decode, engine.info.decode
     model = engine.loaded.model

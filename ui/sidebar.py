@@ -40,5 +40,7 @@ def render_status(loaded: LoadedEngine | None) -> None:
         st.caption(f"Queue: {engine.queue_depth} request(s) · loaded in {info.load_seconds:.1f} s")
         if info.decode:  # empty for a remote engine
             st.caption(f"Decode: {info.decode}")
+        for note in info.notes:
+            st.caption(f":material/info: {note}")
         if engine.store.last_error:
             st.error(f"Metrics are not being saved: {engine.store.last_error}")
