@@ -65,3 +65,47 @@ def advise(report: SystemReport | None = None) -> PrecisionAdvice:
                        "(and OCR accuracy with real weights) before switching.")
     return PrecisionAdvice(recommended, tuple(reasons), {"float32": fp32, "bfloat16": bf16, "native_bf16": native,
                                                          "compact_weights_compute": compute})
+
+
+# Top-1 agreement with float32 a compact precision must keep to be recommended: what int8 keeps on a VNNI CPU.
+MIN_TOP1_AGREEMENT = 0.95
+
+
+def recommend(cases: list[dict], drift: dict, probe: PrecisionAdvice | None = None) -> PrecisionAdvice:
+    """The precision to serve with, from what this CPU measured: each precision's end-to-end time on the standard
+    request (the bench's "tuned <dtype>" cases) and its drift against float32. The fastest whose top-1 agreement
+    with float32 is at least MIN_TOP1_AGREEMENT wins; float32 is the reference and always qualifies."""
+    measured = {}
+    for case in cases:
+        spec, summary = case["case"], case["summary"]
+        if case["case"].get("group") == "precision" and (summary.get("e2e_s") or {}).get("median"):
+            measured[spec["dtype"]] = (summary["e2e_s"]["median"], summary.get("rss_peak_bytes"),
+                                       summary.get("compute_dtype"))
+    reasons, eligible = [], []
+    for dtype, (e2e, rss, compute) in sorted(measured.items(), key=lambda item: item[1][0]):
+        top1 = 1.0 if dtype == "float32" else (drift.get(dtype) or {}).get("top1_agreement")
+        line = f"{dtype}: {e2e:.1f} s end to end"
+        if rss:
+            line += f", peak RSS {rss / 1e9:.1f} GB"
+        if dtype != "float32":
+            line += (f", top-1 agreement with float32 {top1:.1%}" if top1 is not None else ", drift not measured")
+        if dtype == "bfloat16" and compute == "float32":
+            line += " (computes in float32 on this CPU: it saves memory, not time)"
+        reasons.append(line)
+        if top1 is not None and top1 >= MIN_TOP1_AGREEMENT:
+            eligible.append(dtype)
+    if not eligible:
+        return PrecisionAdvice("float32", ("no precision was measured end to end here: float32 stays",)
+                               + (probe.reasons if probe else ()), probe.evidence if probe else {})
+    recommended = eligible[0]
+    reasons.insert(0, f"{recommended} is the fastest end to end here among precisions within "
+                      f"{MIN_TOP1_AGREEMENT:.0%} top-1 agreement of float32")
+    if recommended != "float32":
+        reasons.append("drift is measured on this model's weights: with real weights, check answers (OCR "
+                       "especially) before switching; the default stays float32")
+    evidence = {"end_to_end_s": {dtype: values[0] for dtype, values in measured.items()},
+                "top1_agreement": {dtype: (drift.get(dtype) or {}).get("top1_agreement") for dtype in measured}}
+    if probe is not None:
+        evidence["probe"] = probe.evidence
+        reasons += [f"probe: {reason}" for reason in probe.reasons]
+    return PrecisionAdvice(recommended, tuple(reasons), evidence)

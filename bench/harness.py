@@ -32,7 +32,8 @@ from engine.quantize import LINEAR_KINDS
 from engine.request import ChatRequest, Turn
 from engine.system import memory_read_gb_per_s, system_report
 
-from .advisor import advise
+from .advisor import advise, recommend
+from .provenance import code_commit
 
 PROMPT = "Describe this image."
 FOLLOW_UPS = ("What colours stand out?", "Is there any text in it?")
@@ -365,7 +366,7 @@ def sweep_on_engine(engine: Engine, images_dir: Path, report: Report, cases=APP_
         results.append(result)
     report(1.0, "done")
     return {
-        "created": dt.datetime.now().isoformat(timespec="seconds"), "model": engine.info.model,
+        "created": dt.datetime.now().isoformat(timespec="seconds"), "code": code_commit(), "model": engine.info.model,
         "synthetic": engine.info.synthetic, "quick": True, "repeats": repeats, "prompt": PROMPT,
         "machine": dataclasses.asdict(machine) | {"advice": machine.advice},
         "precision_advice": {"recommended": "–", "reasons": ["not measured in the app sweep"]},
@@ -494,18 +495,20 @@ def run_bench(model: str, quick: bool, repeats: int, images_dir: Path, out_dir: 
         drift_results = measure_drift(model, drift_image, ["bfloat16", "int8"], 8 if quick else 32, threads, report)
         advance("drift measured")
     synthetic = not has_weights(Path(model)) if Path(model).is_dir() else False
+    cases_out = [{"case": dataclasses.asdict(r.case), "summary": r.summary, "runs": r.runs} for r in results]
     document = {
         "created": dt.datetime.now().isoformat(timespec="seconds"),
+        "code": code_commit(),
         "model": model,
         "synthetic": synthetic,
         "quick": quick,
         "repeats": repeats,
         "prompt": PROMPT,
         "machine": dataclasses.asdict(machine) | {"advice": machine.advice},
-        "precision_advice": dataclasses.asdict(advice),
+        "precision_advice": dataclasses.asdict(recommend(cases_out, drift_results, advice)),
         "ceilings": ceilings,
         "drift_vs_float32": drift_results,
-        "cases": [{"case": dataclasses.asdict(r.case), "summary": r.summary, "runs": r.runs} for r in results],
+        "cases": cases_out,
         "against": {"url": against, "model": remote.info.model} if remote is not None else None,
     }
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import functools
-import os
 import platform
 import time
 from dataclasses import dataclass
@@ -10,6 +9,8 @@ from pathlib import Path
 
 import psutil
 import torch
+
+from .config import max_cpu_isa
 
 # Flags as /proc/cpuinfo spells them, with what each means for this workload.
 ISA_FLAGS = {
@@ -69,7 +70,7 @@ AVX2_DISPATCH = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "F
 
 
 def held_to_avx2() -> bool:
-    return os.environ.get("VLSCOPE_MAX_CPU_ISA", "").lower() == "avx2"
+    return max_cpu_isa() == "avx2"
 
 
 @functools.cache

@@ -5,6 +5,7 @@ import json
 import streamlit as st
 
 from bench.advisor import advise
+from bench.provenance import describe
 from bench.harness import (cases_table, default_images_dir, markdown_report, reference_result, report_figure,
                           sweep_on_engine)
 from engine.config import PROJECT_DIR
@@ -29,15 +30,26 @@ with left:
         bar.empty()
 with right:
     st.subheader("Precision advice for this CPU")
-    if st.button("Measure float32 against bfloat16", key="run_advice"):
+    reference = reference_result()
+    record = json.loads(reference[0].read_text()) if reference is not None and reference[1] else None
+    measured = (record or {}).get("precision_advice") or {}
+    if measured.get("recommended", "–") != "–":
+        st.success(f"Recommended: **{measured['recommended']}** (the default stays float32), from all three "
+                   "precisions end to end on this CPU and their drift against float32.")
+        for reason in measured["reasons"]:
+            st.markdown(f"- {reason}")
+        st.caption(describe(record))
+    else:
+        st.write("No benchmark of all three precisions on this CPU yet: `python -m bench --quick` measures them "
+                 "end to end with their drift and recommends from that.")
+    if st.button("Quick probe: float32 against bfloat16 matmul", key="run_advice"):
         with st.spinner("Probing matmul and weight streaming…"):
             st.session_state["advice"] = dataclasses.asdict(advise())
     advice = st.session_state.get("advice")
     if advice:
-        st.success(f"Recommended: **{advice['recommended']}** (the default stays float32).")
+        st.info(f"The probe favours **{advice['recommended']}** for matmul alone.")
         for reason in advice["reasons"]:
             st.markdown(f"- {reason}")
-
 
 def show(document: dict, key: str) -> None:
     st.plotly_chart(report_figure(document), key=key)
@@ -56,8 +68,10 @@ reference = reference_result()
 if reference is not None:
     path, same_cpu = reference
     st.divider()
+    record = json.loads(path.read_text())
     st.subheader(f"Benchmark on record: `{path.relative_to(PROJECT_DIR)}`")
+    st.caption(describe(record))
     if not same_cpu:
         st.info("Measured on a CPU with other instructions than this one: run `python -m bench --quick` "
                 "here for this server's own figures.", icon=":material/info:")
-    show(json.loads(path.read_text()), "latest_chart")
+    show(record, "latest_chart")

@@ -50,6 +50,12 @@ def test_quick_bench_writes_json_markdown_and_html(tiny_model, images_dir, tmp_p
     assert [r["turn"] for r in multi["runs"]] == [1, 2, 3] * multi["summary"]["repetitions"]
     assert all(r["cached_prompt_tokens"] > r["vision_tokens"] for r in multi["runs"] if r["turn"] > 1)  # image not re-encoded
     assert set(document["drift_vs_float32"]) == {"bfloat16", "int8"}
+    # the advice weighs all three precisions end to end, with their drift, and the record names its commit
+    advice = document["precision_advice"]
+    assert advice["recommended"] in ("float32", "bfloat16", "int8")
+    assert set(advice["evidence"]["end_to_end_s"]) == {"float32", "bfloat16", "int8"}
+    assert all(any(reason.startswith(f"{d}: ") for reason in advice["reasons"]) for d in ("float32", "bfloat16", "int8"))
+    assert len(document["code"]["commit"]) == 40
     for drift in document["drift_vs_float32"].values():
         assert 0 <= drift["top1_agreement"] <= 1 and drift["max_abs_logit_error"] >= 0
     # the other server answered the same requests, A B A B with each precision: as many runs as vlscope's
@@ -170,3 +176,55 @@ def test_measurements_called_from_another_thread_run_on_the_compute_thread():
     before, measured, after_main_thread_work = map(int, run.stdout.split())
     assert measured == before
     assert after_main_thread_work > measured
+
+
+def _case(dtype: str, e2e: float, compute: str) -> dict:
+    return {"case": {"group": "precision", "dtype": dtype},
+            "summary": {"e2e_s": {"median": e2e}, "rss_peak_bytes": 4e9, "compute_dtype": compute}}
+
+
+def test_advice_is_the_fastest_precision_end_to_end_that_keeps_to_float32():
+    """The figures of the AVX2 EPYC's standard request: int8 wins while its drift holds, float32 once it does not;
+    bfloat16 computing in float32 is said to save memory, not time."""
+    from bench.advisor import recommend
+
+    cases = [_case("float32", 23.5, "float32"), _case("bfloat16", 25.2, "float32"), _case("int8", 11.7, "float32")]
+    close = {"bfloat16": {"top1_agreement": 1.0}, "int8": {"top1_agreement": 0.96}}
+    advice = recommend(cases, close)
+    assert advice.recommended == "int8"
+    assert [r.split(":")[0] for r in advice.reasons[1:4]] == ["int8", "float32", "bfloat16"]  # fastest first
+    assert "saves memory, not time" in next(r for r in advice.reasons if r.startswith("bfloat16:"))
+    drifting = {"bfloat16": {"top1_agreement": 1.0}, "int8": {"top1_agreement": 0.80}}
+    assert recommend(cases, drifting).recommended == "float32"
+    faster_bf16 = [_case("float32", 23.5, "float32"), _case("bfloat16", 12.0, "bfloat16")]
+    assert recommend(faster_bf16, drifting).recommended == "bfloat16"
+    assert recommend([], {}).recommended == "float32"
+
+
+def test_a_record_says_whether_the_engine_changed_since_its_commit(tmp_path):
+    from bench.provenance import code_commit, describe, engine_changed_since
+
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+                       capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "engine").mkdir()
+    (tmp_path / "engine" / "step.py").write_text("A = 1\n")
+    git("add", "-A")
+    git("commit", "-qm", "engine")
+    measured = code_commit(tmp_path)
+    assert measured == {"commit": measured["commit"], "edited": False}
+    assert engine_changed_since(measured, tmp_path) is False
+    (tmp_path / "README.md").write_text("docs only\n")
+    git("add", "-A")
+    git("commit", "-qm", "docs")
+    assert engine_changed_since(measured, tmp_path) is False  # a docs change leaves the figures standing
+    (tmp_path / "engine" / "step.py").write_text("A = 2\n")
+    assert engine_changed_since(measured, tmp_path) is True  # uncommitted engine edits
+    git("commit", "-qam", "faster")
+    assert engine_changed_since(measured, tmp_path) is True
+    assert "Older than this code" in describe({"created": "2026-12-02T10:00:00", "code": measured}, tmp_path)
+    assert engine_changed_since(code_commit(tmp_path), tmp_path) is False
+    assert "not recorded" in describe({"created": "2026-12-02T10:00:00"}, tmp_path)
+    assert engine_changed_since({"commit": "0" * 40}, tmp_path) is None  # a commit this clone lacks

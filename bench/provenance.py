@@ -1,0 +1,55 @@
+"""Which code a benchmark record measured: the commit it ran on, and whether the engine changed since."""
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+from engine.config import PROJECT_DIR
+
+# Paths whose changes can move a benchmark's figures.
+MEASURED_PATHS = ("engine",)
+
+
+def _git(*args: str, cwd: Path = PROJECT_DIR) -> str | None:
+    try:
+        result = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return result.stdout.strip() if result.returncode == 0 else None
+
+
+def code_commit(cwd: Path = PROJECT_DIR) -> dict | None:
+    """The commit this checkout is at and whether the measured paths have edits not yet committed (None outside a
+    git checkout)."""
+    commit = _git("rev-parse", "HEAD", cwd=cwd)
+    if not commit:
+        return None
+    edited = bool(_git("status", "--porcelain", "--", *MEASURED_PATHS, cwd=cwd))
+    return {"commit": commit, "edited": edited}
+
+
+def engine_changed_since(record: dict | None, cwd: Path = PROJECT_DIR) -> bool | None:
+    """True when the engine changed after the record's commit (or the record ran on uncommitted engine edits), False
+    when it did not, None when it cannot be told (no commit in the record, no git, a commit this clone lacks)."""
+    if not record or not record.get("commit"):
+        return None
+    last_change = _git("rev-list", "-1", "HEAD", "--", *MEASURED_PATHS, cwd=cwd)
+    if last_change is None or _git("cat-file", "-e", f"{record['commit']}^{{commit}}", cwd=cwd) is None:
+        return None
+    if record.get("edited") or code_commit(cwd).get("edited"):
+        return True
+    return _git("merge-base", "--is-ancestor", last_change, record["commit"], cwd=cwd) is None
+
+
+def describe(document: dict, cwd: Path = PROJECT_DIR) -> str:
+    """One line for a page: when and on which commit the record was measured, and whether the code moved on."""
+    record = document.get("code")
+    when = document.get("created", "an unknown time").replace("T", " ")
+    if not record:
+        return f"Measured {when}; its commit was not recorded, so it may be older than this code."
+    changed = engine_changed_since(record, cwd)
+    line = f"Measured {when} on commit {record['commit'][:10]}{' with uncommitted engine edits' if record.get('edited') else ''}."
+    if changed is None:
+        return line + " Whether the engine changed since cannot be told here."
+    return line + (" Older than this code: the engine changed since; rerun `python -m bench --quick`."
+                   if changed else " The engine has not changed since.")
