@@ -78,7 +78,8 @@ def has_int8_dot_product(flags: frozenset[str] | None = None) -> bool:
 
 
 INT8_WITHOUT_VNNI = ("int8: this CPU has no int8 dot-product instructions (AVX-512 VNNI, AVX-VNNI or AMX), so "
-                     "activations keep 7 bits (63 levels) and fbgemm's 16-bit sums cannot saturate")
+                     "one token's activations keep 7 bits, and products of several rows run as two on 7-bit halves "
+                     "(exact, twice the work)")
 
 
 class Int8Linear(nn.Module):
@@ -92,13 +93,14 @@ class Int8Linear(nn.Module):
     read against 14.3 for aten._weight_int8pack_mm (int8 weights, bfloat16 activations) and 13.6 for bfloat16
     F.linear; 256 rows: 639 GFLOP/s against bfloat16's 398."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, reduce_range: bool | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, split: bool | None = None):
+        """split: keep fbgemm's 16-bit pair sums from saturating (a CPU without int8 dot products): one token's
+        activations keep 7 bits, products of several rows run as two on 7-bit halves of 8-bit activations. None:
+        where this CPU needs it."""
         super().__init__()
+        self.split = (not has_int8_dot_product()) if split is None else split
         quantized, scales = quantize_rows(weight.detach())
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        self.reduce_range = (not has_int8_dot_product()) if reduce_range is None else reduce_range
-        self.levels = 63.0 if self.reduce_range else 127.0
-        self.zero_point = 64 if self.reduce_range else 128
         with warnings.catch_warnings():  # PyTorch marks quantized tensors deprecated; fbgemm's packing needs one
             warnings.simplefilter("ignore", UserWarning)
             qweight = torch._make_per_channel_quantized_tensor(quantized, scales.double(),
@@ -111,18 +113,29 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).float()
-        if rows.shape[0] == 1:  # one token: the op's own per-tensor scale is a per-token one
-            out = torch.ops.quantized.linear_dynamic(rows, self._packed, self.reduce_range)
+        if rows.shape[0] == 1:
+            # One token: the op's own per-tensor scale is a per-token one. Where pairs add in 16 bits it keeps
+            # activations to 7 bits (reduce_range): one product, so decode reads the weights once.
+            out = torch.ops.quantized.linear_dynamic(rows, self._packed, self.split)
         else:
-            # Each row scaled to +-levels, quantized with scale 1 to fbgemm's uint8 activations around a zero point
-            # (0..255 around 128; 1..127 around 64 with 7 bits, so that no pair of products overflows 16 bits),
-            # then the row's scale multiplied back onto the float32 result.
-            row_scales = rows.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12).div_(self.levels)
-            out = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
-                rows / row_scales, 1.0, self.zero_point, self._packed).mul_(row_scales)
+            # Each row scaled to +-127 and rounded, then handed over with scale 1 (fbgemm's uint8 activations around
+            # zero point 128); the row's scale is multiplied back onto the float32 result.
+            row_scales = rows.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12).div_(127.0)
+            levels = (rows / row_scales).round_()  # a new tensor: rows may be the caller's
+            if self.split:
+                # u8 x s8 pairs add in 16 bits without VNNI: 2 x 255 x 127 overflows, 2 x 128 x 127 does not. So
+                # the levels go as a high half (-63..63) and the rest (-64..64), each around zero point 64.
+                high = levels.clamp(-63.0, 63.0)
+                out = self._product(high, 64).add_(self._product(levels.sub_(high), 64))
+            else:
+                out = self._product(levels, 128)
+            out.mul_(row_scales)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def _product(self, levels: torch.Tensor, zero_point: int) -> torch.Tensor:
+        return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(levels, 1.0, zero_point, self._packed)
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weight this layer computes with (for tests and drift checks)."""

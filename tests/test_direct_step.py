@@ -53,8 +53,8 @@ ENGINE_CHOICE = "engine"
 CASES = [("float32", "float32", None, 0.0), ("bfloat16", "bfloat16", None, 0.0), ("int8", "bfloat16", None, 0.0),
          ("int8", "bfloat16", torch.float32, 0.15), ("int8", "float32", torch.float32, 0.0),
          ("bfloat16", "bfloat16", ENGINE_CHOICE, 0.15)]
-# Without int8 dot products (VNNI, AMX) activations keep 63 levels, not 127: a value that lands on another level
-# moves twice as far.
+# Without int8 dot products (VNNI, AMX) one token's activations keep 7 bits: a value that lands on another level
+# moves twice as far. (Products of several rows stay 8-bit and exact, on two 7-bit halves.)
 INT8_SCALE = 1.0 if has_int8_dot_product() else 127 / 63
 
 

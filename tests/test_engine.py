@@ -262,8 +262,8 @@ def test_int8_linear_matches_dequantised_weights():
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 96)
     quantized = Int8Linear(linear.weight, linear.bias)
-    # Without VNNI activations keep 7 bits, so fbgemm's 16-bit pair sums cannot saturate: twice the rounding.
-    assert quantized.levels == (127.0 if has_int8_dot_product() else 63.0)
+    # Without VNNI products of several rows run on two 7-bit halves, so fbgemm's 16-bit pair sums cannot saturate.
+    assert quantized.split is (not has_int8_dot_product())
     dequantised = quantized.dequantized()
     assert (dequantised - linear.weight).abs().max() <= quantized.scales.max() / 2 + 1e-6  # half a rounding step
     for rows in (1, 40):  # the one-token op and the per-row scaled op
@@ -271,30 +271,33 @@ def test_int8_linear_matches_dequantised_weights():
         expected = torch.nn.functional.linear(x, dequantised, linear.bias.detach())
         got = quantized(x)
         assert got.shape == (1, rows, 96) and got.dtype == torch.float32
-        # int8 activations: each row rounds to 1/levels of its largest value
-        assert torch.allclose(got, expected, atol=0.05 * 127 / quantized.levels, rtol=0.02)
+        # int8 activations: each row rounds to 1/127 of its largest value
+        assert torch.allclose(got, expected, atol=0.05, rtol=0.02)
         assert quantized(x.bfloat16()).dtype == torch.bfloat16  # computes for a bfloat16 model too
 
 
 @kernels
-@pytest.mark.parametrize("reduce_range", [False, True])
-def test_int8_linear_scales_activations_per_token(reduce_range):
-    """One token with a huge activation must not crush the precision of the others (per-token scales), with
-    8-bit activations and with the 7 bits a CPU without VNNI gets (where 8 would saturate its 16-bit sums)."""
-    if not reduce_range and not has_int8_dot_product():
-        pytest.skip("8-bit activations need int8 dot products (AVX-512 VNNI, AVX-VNNI or AMX): this CPU's fbgemm "
-                    "adds u8 x s8 pairs in 16 bits and would saturate; the 7-bit case runs")
+@pytest.mark.parametrize("split", [False, True])
+def test_int8_linear_scales_activations_per_token_and_sums_exactly(split):
+    """One token with a huge activation must not crush the precision of the others (per-token scales); the sums
+    are the exact integer sums of the rounded activations, on one product or on two 7-bit halves (a CPU without
+    VNNI, whose 16-bit pair sums saturate on one)."""
+    if not split and not has_int8_dot_product():
+        pytest.skip("one product of several rows needs int8 dot products (AVX-512 VNNI, AVX-VNNI or AMX): this CPU's "
+                    "fbgemm adds u8 x s8 pairs in 16 bits and saturates; the split case runs")
     torch.manual_seed(0)
     linear = torch.nn.Linear(256, 128, bias=False)
-    quantized = Int8Linear(linear.weight, None, reduce_range=reduce_range)
+    quantized = Int8Linear(linear.weight, None, split=split)
     x = torch.randn(8, 256)
     x[0] *= 1000.0
     expected = torch.nn.functional.linear(x, quantized.dequantized())
     error = ((quantized(x) - expected).norm(dim=1) / expected.norm(dim=1))[1:]
-    # Rounding to 1/levels of a row's largest value: ~1% at 127 levels, ~2% at 63 (the saturated sums were 6-9%).
-    assert error.max() < 0.02 * 127 / quantized.levels, error
+    assert error.max() < 0.02, error
+    scales = x.abs().amax(dim=1, keepdim=True) / 127
+    exact = torch.nn.functional.linear((x / scales).round(), quantized.dequantized()) * scales
+    torch.testing.assert_close(quantized(x), exact, rtol=1e-5, atol=1e-3)  # saturated sums were 3-9% off
     # against one scale for the whole block (what a plain dynamic-quantized Linear does): far worse
-    one_scale = torch.ops.quantized.linear_dynamic(x, quantized._packed, quantized.reduce_range)
+    one_scale = torch.ops.quantized.linear_dynamic(x, quantized._packed, False)
     assert ((one_scale - expected).norm(dim=1) / expected.norm(dim=1))[1:].min() > 10 * error.max()
 
 
