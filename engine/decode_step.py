@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from .direct_step import DirectDecodeStep
-from .generate import decode_one_token, prefill
+from .generate import attach_step, decode_one_token, prefill
 from .preprocess import chat_messages, tokenize_prompt
 from .quantize import keeps_fp16_copy
 
@@ -54,15 +54,14 @@ def hidden_dtype(loaded) -> torch.dtype | None:
 def _steps_ms(model, prompt, step: DirectDecodeStep, count: int) -> tuple[float, list[int]]:
     """Prefill `prompt`, then `count` greedy steps through `step`; ms per step of the last half."""
     logits, state = prefill(model, prompt, None, None, True)
-    step.take(state.cache)
-    state.step = step
+    attach_step(state, step)
     token, tokens, times = int(logits.argmax()), [], []
     for _ in range(count):
         started = time.perf_counter()
         token = int(decode_one_token(model, state, token).argmax())
         times.append(time.perf_counter() - started)
         tokens.append(token)
-    step.give_back(state.cache, 0)  # drops the step's buffers; the cache is not kept
+    state.kv = None  # the buffers go; the cache is not kept
     half = times[count // 2:]
     return 1000 * sum(half) / len(half), tokens
 

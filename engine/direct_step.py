@@ -42,6 +42,18 @@ GROWTH = 256
 PREFILL_CHUNK = 256
 
 
+class SequenceKV:
+    """One sequence's keys and values in the step's float32 buffers: per layer (kv heads, capacity, head dim), and
+    how many positions are filled. Each sequence of a batch has its own, so each attends over its own length."""
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], length: int):
+        self.keys, self.values, self.length = keys, values, length
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[1] if self.keys else 0
+
+
 class DirectDecodeStep:
     def __init__(self, model, hidden_dtype: torch.dtype | None = None, growth: int = GROWTH,
                  chunk: int = PREFILL_CHUNK):
@@ -64,34 +76,38 @@ class DirectDecodeStep:
         self.rope_row = torch.zeros(self.inv_freq.shape[0], dtype=torch.long)
         for row, offset in ((1, 1), (2, 2)):
             self.rope_row[offset:rotary.mrope_section[row] * 3:3] = row
-        self.keys: list[torch.Tensor] = []
-        self.values: list[torch.Tensor] = []
-        self.length = 0
         self.segments: list[Callable] = [self._segment] * (len(self.layers) + 1)
         self.compiled = False
 
-    def take(self, cache: DynamicCache) -> None:
-        """Start from a prefilled cache: its keys and values are copied in (none from an empty one)."""
-        self.length = cache.get_seq_length()
-        capacity = self.length + self.growth
-        self.keys, self.values = [], []
+    def take(self, cache: DynamicCache) -> SequenceKV:
+        """A sequence's buffers, started from a prefilled cache: its keys and values are copied in (none from an
+        empty one)."""
+        length = cache.get_seq_length()
+        capacity = length + self.growth
+        keys, values = [], []
         for index in range(len(self.layers)):
-            for kept, source in ((self.keys, "keys"), (self.values, "values")):
+            for kept, source in ((keys, "keys"), (values, "values")):
                 buffer = torch.empty((self.kv_heads, capacity, self.head_dim), dtype=torch.float32)
-                if self.length:
-                    buffer[:, :self.length].copy_(getattr(cache.layers[index], source)[0])
+                if length:
+                    buffer[:, :length].copy_(getattr(cache.layers[index], source)[0])
                 kept.append(buffer)
+        return SequenceKV(keys, values, length)
 
-    def give_back(self, cache: DynamicCache, length: int) -> None:
-        """Append to `cache` the keys and values the steps added, up to `length` positions; the buffers go."""
-        append_decoded(cache, [keys[None] for keys in self.keys], [values[None] for values in self.values], length,
+    def give_back(self, kv: SequenceKV, cache: DynamicCache, length: int) -> None:
+        """Append to `cache` the keys and values the steps added to `kv`, up to `length` positions; its buffers go."""
+        append_decoded(cache, [keys[None] for keys in kv.keys], [values[None] for values in kv.values], length,
                        self.cache_dtype)
-        self.keys, self.values = [], []
+        kv.keys, kv.values = [], []
+
+    def kv_bytes(self, positions: int) -> int:
+        """Bytes of a sequence's buffers holding `positions` (rounded up to the growth step)."""
+        capacity = (positions + self.growth - 1) // self.growth * self.growth
+        return 2 * len(self.layers) * self.kv_heads * capacity * self.head_dim * 4
 
     def release(self) -> None:
-        """Drop the buffers and the model's modules; a compiled step also frees its compiled code, which holds a
-        frozen copy of the weights. One engine is loaded at a time, so every compiled graph of the process goes."""
-        self.keys, self.values, self.layers = [], [], []
+        """Drop the model's modules; a compiled step also frees its compiled code, which holds a frozen copy of the
+        weights. One engine is loaded at a time, so every compiled graph of the process goes."""
+        self.layers = []
         self.embed_tokens = self.final_norm = self.lm_head = None
         self.segments = []
         if self.compiled:
@@ -137,13 +153,13 @@ class DirectDecodeStep:
         cos, sin = cos.to(dtype), sin.to(dtype)
         return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
 
-    def _make_room(self, end: int) -> None:
+    def _make_room(self, kv: SequenceKV, end: int) -> None:
         """Buffers for at least `end` positions, grown in one copy."""
-        missing = end - self.keys[0].shape[1]
+        missing = end - kv.capacity
         if missing <= 0:
             return
         extra = (missing + self.growth - 1) // self.growth * self.growth
-        for kept in (self.keys, self.values):
+        for kept in (kv.keys, kv.values):
             for index, buffer in enumerate(kept):
                 kept[index] = torch.cat([buffer, buffer.new_empty((self.kv_heads, extra, self.head_dim))], dim=1)
 
@@ -179,7 +195,7 @@ class DirectDecodeStep:
         key = self._rotate(self._norm(attention.k_norm, key.view(rows, kv_heads, dim)), cos, signed_sin)
         return hidden, query.float(), key, value.view(rows, kv_heads, dim)
 
-    def extend(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def extend(self, kv: SequenceKV, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Prefill text tokens (1, n) at rotary positions (4, 1, n) after what the buffers hold -> the last token's
         next logits (1, vocab). Eager, whether or not the one-token segments are compiled (they are traced for one
         row). Vision tokens are not handled here: their embeddings and deepstack features come from transformers'
@@ -194,14 +210,16 @@ class DirectDecodeStep:
         count = tokens.shape[1]
         if count == 0:
             raise ValueError("extend needs at least one token: the last one's logits are the result")
-        self._make_room(self.length + count)
+        self._make_room(kv, kv.length + count)
         for first in range(0, count, self.chunk):
             last = first + self.chunk >= count
-            logits = self._extend(tokens[:, first:first + self.chunk], positions[:, :, first:first + self.chunk], last)
+            logits = self._extend(kv, tokens[:, first:first + self.chunk], positions[:, :, first:first + self.chunk],
+                                  last)
         return logits
 
-    def _extend(self, tokens: torch.Tensor, positions: torch.Tensor, want_logits: bool) -> torch.Tensor | None:
-        rows, start = tokens.shape[1], self.length
+    def _extend(self, kv: SequenceKV, tokens: torch.Tensor, positions: torch.Tensor,
+                want_logits: bool) -> torch.Tensor | None:
+        rows, start = tokens.shape[1], kv.length
         end = start + rows
         hidden = self.embed_tokens(tokens.view(rows))
         if self.hidden_dtype is not None:
@@ -213,7 +231,7 @@ class DirectDecodeStep:
         # products per key head with its query heads' rows stacked (no key heads expanded to the query heads):
         # 10.1 ms over 28 layers at 16 rows after 225 (full-size int8, profiled) against 11.6 for SDPA.
         hidden_from = torch.ones(rows, end, dtype=torch.bool).tril(start).logical_not_().repeat(groups, 1)
-        for index, (keys, values) in enumerate(zip(self.keys, self.values)):
+        for index, (keys, values) in enumerate(zip(kv.keys, kv.values)):
             hidden, query, key, value = self._segment(index, hidden, attended, cos, signed_sin)
             keys[:, start:end].copy_(key.transpose(0, 1))
             values[:, start:end].copy_(value.transpose(0, 1))
@@ -223,31 +241,50 @@ class DirectDecodeStep:
                 hidden_from, float("-inf"))
             attended = torch.bmm(torch.softmax(scores, dim=-1), values[:, :end])  # (kv heads, groups * rows, dim)
             attended = attended.view(self.kv_heads, groups, rows, self.head_dim).permute(2, 0, 1, 3).reshape(rows, -1)
-        self.length = end
+        kv.length = end
         if not want_logits:
             return None
         # Only the last token's logits are wanted: the last layer's MLP and the head run on its row alone.
         return self._segment(last, hidden[-1:], attended[-1:], cos[-1], signed_sin[-1])
 
-    def __call__(self, token: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """One token (1, 1) at rotary positions (4, 1, 1) -> next logits (1, vocab)."""
-        position = self.length
-        self._make_room(position + 1)
-        hidden = self.embed_tokens(token.view(1))  # (1, hidden)
+    def __call__(self, kv: SequenceKV, token: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """One token (1, 1) of one sequence at rotary positions (4, 1, 1) -> next logits (1, vocab)."""
+        return self.batch([kv], token.view(1), positions)
+
+    def batch(self, kvs: list[SequenceKV], tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """One token for each of B sequences: tokens (B,) at rotary positions (4, 1, B) -> next logits (B, vocab).
+
+        The products read each weight once for all B rows, which is why a step for four costs little more than a
+        step for one; attention runs per sequence over its own length. Compiled segments were traced for one row:
+        a batch of more runs the same segments eager."""
+        rows = len(kvs)
+        for kv in kvs:
+            self._make_room(kv, kv.length + 1)
+        hidden = self.embed_tokens(tokens.view(rows))  # (B, hidden)
         if self.hidden_dtype is not None:
             hidden = hidden.to(self.hidden_dtype)
         cos, signed_sin = self._rotary(positions, hidden.dtype)
-        cos, signed_sin = cos[0], signed_sin[0]
-        groups, end, attended = self.heads // self.kv_heads, position + 1, None
-        for index, (segment, keys, values) in enumerate(zip(self.segments, self.keys, self.values)):
+        if rows == 1:
+            segments, cos, signed_sin = self.segments, cos[0], signed_sin[0]
+        else:
+            segments = [self._segment] * len(self.segments)
+            cos, signed_sin = cos[:, None], signed_sin[:, None]
+        groups, attended = self.heads // self.kv_heads, None
+        for index, segment in enumerate(segments[:-1]):
             hidden, query, key, value = segment(index, hidden, attended, cos, signed_sin)
-            keys[:, position].copy_(key[0])
-            values[:, position].copy_(value[0])
-            grouped = query.view(self.kv_heads, groups, self.head_dim)
-            probs = torch.softmax(torch.bmm(grouped, keys[:, :end].transpose(1, 2)) * self.scaling, dim=-1)
-            attended = torch.bmm(probs, values[:, :end])
-        self.length = end
-        return self.segments[-1](len(self.layers), hidden, attended, cos, signed_sin)
+            outputs = []
+            for row, kv in enumerate(kvs):
+                keys, values, position = kv.keys[index], kv.values[index], kv.length
+                keys[:, position].copy_(key[row])
+                values[:, position].copy_(value[row])
+                grouped = query[row].view(self.kv_heads, groups, self.head_dim)
+                probs = torch.softmax(torch.bmm(grouped, keys[:, :position + 1].transpose(1, 2)) * self.scaling,
+                                      dim=-1)
+                outputs.append(torch.bmm(probs, values[:, :position + 1]))
+            attended = outputs[0] if rows == 1 else torch.stack(outputs)
+        for kv in kvs:
+            kv.length += 1
+        return segments[-1](len(self.layers), hidden, attended, cos, signed_sin)
 
 
 def release_compiled_code() -> None:

@@ -24,12 +24,48 @@ class DecodeState:
     mm_token_type_ids: torch.Tensor | None = None
     image_grid_thw: torch.Tensor | None = None
     generated: list[int] = field(default_factory=list)
-    step: object = None  # a DirectDecodeStep holding this request's keys and values, or None: transformers' forward
+    step: object = None  # the DirectDecodeStep that decodes this request, or None: transformers' forward
+    kv: object = None  # this request's keys and values in the step's buffers (a SequenceKV) while it decodes there
 
 
 def encode_images(model, patches: ImagePatches):
     """Vision tower: patches -> one embedding per vision token, plus the deepstack features for early LM layers."""
     return model.model.get_image_features(patches.pixel_values, patches.image_grid_thw, return_dict=True)
+
+
+def encode_images_in_pieces(model, patches: ImagePatches, piece_seconds: float):
+    """encode_images, as a generator that yields between vision blocks once a piece has run `piece_seconds`, and
+    returns what encode_images returns: an image admitted beside running answers pauses them a piece at a time, not
+    for its whole encode (docs/decisions.md). The blocks are the vision tower's own, in the order of transformers'
+    Qwen3VLVisionModel.forward; tests/test_direct_step.py holds the outputs to its to the bit."""
+    import time
+
+    from transformers.models.qwen3_vl import modeling_qwen3_vl as qwen
+
+    visual, grid_thw = model.model.visual, patches.image_grid_thw
+    started = time.perf_counter()
+    indices, weights = qwen.get_vision_interpolation_indices_and_weights(
+        grid_thw, num_grid_per_side=visual.num_grid_per_side, mode=visual.interpolation_mode,
+        align_corners=visual.interpolation_align_corners, spatial_merge_size=visual.config.spatial_merge_size,
+        kwargs={})
+    position_ids = qwen.get_vision_position_ids(grid_thw, visual.spatial_merge_size, kwargs={})
+    cu_seqlens, max_seqlen = qwen.get_vision_attention_seqlens(grid_thw, visual.config, kwargs={})
+    hidden = visual.patch_embed(patches.pixel_values.type(visual.dtype))
+    hidden = hidden + (visual.pos_embed(indices) * weights[:, :, None]).sum(1).to(hidden.dtype)
+    rotary = visual.rotary_pos_emb(hidden, position_ids)
+    hidden = hidden.reshape(hidden.shape[0], -1)
+    deepstack = []
+    for index, block in enumerate(visual.blocks):
+        if time.perf_counter() - started >= piece_seconds:
+            yield
+            started = time.perf_counter()
+        hidden = block(hidden, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, position_embeddings=rotary)
+        if index in visual.deepstack_visual_indexes:
+            deepstack.append(visual.deepstack_merger_list[visual.deepstack_visual_indexes.index(index)](hidden))
+    sizes = (grid_thw.prod(-1) // visual.spatial_merge_size ** 2).tolist()
+    return qwen.BaseModelOutputWithDeepstackFeatures(
+        last_hidden_state=hidden, pooler_output=torch.split(visual.merger(hidden), sizes),
+        deepstack_features=[torch.split(feature, sizes) for feature in deepstack])
 
 
 def prompt_positions(model, prompt: PromptTokens, image_grid_thw: torch.Tensor | None) -> tuple[torch.Tensor, int]:
@@ -114,22 +150,47 @@ def prefill_text(model, prompt: PromptTokens, image_grid_thw, step, cache: Dynam
     positions, rope_delta = prompt_positions(model, prompt, image_grid_thw)
     if cache is None:
         cache = DynamicCache(config=model.config.get_text_config())
-    step.take(cache)
-    logits = step.extend(prompt.input_ids[:, start:], positions[:, :, start:])
-    return logits, DecodeState(cache=cache, rope_delta=rope_delta, tokens=prompt.input_ids, positions=positions,
-                               step=step)
+    state = DecodeState(cache=cache, rope_delta=rope_delta, tokens=prompt.input_ids, positions=positions)
+    attach_step(state, step)
+    return step.extend(state.kv, prompt.input_ids[:, start:], positions[:, :, start:]), state
 
 
-def decode_one_token(model, state: DecodeState, token: int) -> torch.Tensor:
-    """Feed one new token; returns the next logits. Through the compiled step when the state has one; without a
-    cache, the whole sequence runs again."""
+def attach_step(state: DecodeState, step) -> None:
+    """Decode `state` through the direct `step` from here on: its prefilled cache is copied into buffers of its own."""
+    state.step, state.kv = step, step.take(state.cache)
+
+
+def detach_step(state: DecodeState) -> None:
+    """Hand the keys and values decoded in the step back to the state's cache (the prefix cache keeps it)."""
+    if state.step is not None and state.kv is not None:
+        state.step.give_back(state.kv, state.cache, state.tokens.shape[1])
+        state.kv = None
+
+
+def _append_token(state: DecodeState, token: int) -> tuple[torch.Tensor, torch.Tensor]:
     position = state.tokens.shape[1]
     new_token = torch.tensor([[token]], dtype=state.tokens.dtype)
     new_positions = next_positions(position, state.rope_delta)
     state.tokens = torch.cat([state.tokens, new_token], dim=1)
     state.positions = torch.cat([state.positions, new_positions], dim=2)
+    return new_token, new_positions
+
+
+def decode_batch(step, states: list[DecodeState], tokens: list[int]) -> torch.Tensor:
+    """Feed each state its next token in one step of the direct `step`: B rows through the products, attention per
+    sequence -> next logits (B, vocab), row i for states[i]."""
+    appended = [_append_token(state, token) for state, token in zip(states, tokens)]
+    ids = torch.cat([new_token.view(1) for new_token, _ in appended])
+    positions = torch.cat([new_positions for _, new_positions in appended], dim=2)
+    return step.batch([state.kv for state in states], ids, positions)
+
+
+def decode_one_token(model, state: DecodeState, token: int) -> torch.Tensor:
+    """Feed one new token; returns the next logits. Through the compiled step when the state has one; without a
+    cache, the whole sequence runs again."""
+    new_token, new_positions = _append_token(state, token)
     if state.step is not None:
-        return state.step(new_token, new_positions)
+        return state.step(state.kv, new_token, new_positions)
     if state.cache is not None:
         hidden = run_language_model(model, input_ids=new_token, position_ids=new_positions, cache=state.cache,
                                     use_cache=True)

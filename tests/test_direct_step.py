@@ -10,7 +10,8 @@ from transformers import DynamicCache
 from engine.config import EngineConfig
 from engine.decode_step import hidden_dtype
 from engine.direct_step import DirectDecodeStep
-from engine.generate import decode_one_token, encode_images, prefill, prefill_text
+from engine.generate import (attach_step, decode_batch, decode_one_token, detach_step, encode_images, prefill,
+                             prefill_text)
 from engine.images import fit_to_budget
 from engine.model_loading import load_model
 from engine.preprocess import chat_messages, image_grids, patchify_images, tokenize_prompt
@@ -81,10 +82,9 @@ def test_direct_step_decodes_as_transformers_does(tiny_model, images_dir, dtype,
         step = DirectDecodeStep(loaded.model, hidden, growth=8)
         token, state = _prefilled(loaded, picture)
         prompt_length = state.tokens.shape[1]
-        step.take(state.cache)
-        state.step = step
+        attach_step(state, step)
         tokens, logits = _decode(loaded, state, token, forced=expected_tokens)
-        step.give_back(state.cache, state.tokens.shape[1])
+        detach_step(state)
 
     if tolerance == 0.0:
         assert tokens == expected_tokens
@@ -132,7 +132,7 @@ def test_direct_prefill_of_a_follow_up_matches_transformers(tiny_model, images_d
         logits, state = prefill_text(loaded.model, follow_up, image_grids([size]), step,
                                      cache=_copy(first.cache, start), start=start)
         tokens, steps = _decode(loaded, state, int(logits.argmax()), forced=expected_tokens)
-        step.give_back(state.cache, state.tokens.shape[1])
+        detach_step(state)
 
     # Attention over many rows at once sums in another order than transformers' SDPA call: float32 agrees to
     # rounding; bfloat16 rounds again between operations, and int8 may then round an activation to its next level.
@@ -164,7 +164,7 @@ def test_direct_prefill_of_a_text_prompt_fills_an_empty_cache(tiny_model, dtype)
         step = DirectDecodeStep(loaded.model, growth=8, chunk=5)
         logits, state = prefill_text(loaded.model, prompt, None, step)
         tokens, steps = _decode(loaded, state, int(logits.argmax()), forced=expected_tokens)
-        step.give_back(state.cache, state.tokens.shape[1])
+        detach_step(state)
 
     tolerance = 1e-4 if dtype == "float32" else 0.15  # as above
     for got, want in zip([logits] + steps, [expected_logits] + expected_steps):
@@ -173,3 +173,94 @@ def test_direct_prefill_of_a_text_prompt_fills_an_empty_cache(tiny_model, dtype)
         assert tokens == expected_tokens
     assert state.cache.get_seq_length() == prompt.input_ids.shape[1] + STEPS
     assert state.cache.layers[0].keys.dtype == reference.cache.layers[0].keys.dtype == getattr(torch, dtype)
+
+
+def _prefill_prompt(loaded, picture: Image.Image | None, question: str):
+    config = EngineConfig()
+    sizes = [fit_to_budget(*picture.size, config.min_pixels, config.max_pixels)] if picture else []
+    prompt = tokenize_prompt(loaded.tokenizer, chat_messages([], question, [len(sizes)]), sizes,
+                             loaded.image_token_id)
+    vision = encode_images(loaded.model, patchify_images(loaded.image_processor, [picture], sizes)) if picture else None
+    logits, state = prefill(loaded.model, prompt, vision, image_grids(sizes) if sizes else None, True)
+    return int(logits.argmax()), state
+
+
+@pytest.mark.parametrize("dtype, compute", [("float32", "float32"), ("bfloat16", "bfloat16"), ("int8", "bfloat16")])
+def test_a_batch_decodes_each_sequence_as_it_decodes_alone(tiny_model, images_dir, dtype, compute):
+    """Three sequences of different lengths (two pictures of other sizes, one text prompt) in one batch: the second
+    joins late, the first leaves early. Fed the tokens each chose alone, every row gives the logits it gave alone
+    (float32: the same greedy tokens), and each hands back the cache it would have built alone."""
+    loaded = load_model(EngineConfig(model=str(tiny_model), dtype=dtype, compute_dtype=compute, compile="off",
+                                     warmup=False))
+    step = DirectDecodeStep(loaded.model, hidden_dtype(loaded), growth=8)
+    inputs = [(Image.open(images_dir / "coffee.png").convert("RGB"), "What is in it?"),
+              (Image.open(images_dir / "chelsea.png").convert("RGB").resize((300, 200)), "Describe it."),
+              (None, "Name three colours, please.")]
+    joins, leaves = [0, 6, 0], [12, STEPS, STEPS]  # the step index at which each enters and leaves the batch
+    with torch.inference_mode():
+        alone = []
+        for picture, question in inputs:
+            token, state = _prefill_prompt(loaded, picture, question)
+            attach_step(state, step)
+            tokens, logits = _decode(loaded, state, token)
+            detach_step(state)
+            alone.append((token, tokens, logits, state))
+
+        states, fed, got_logits = [], [], [[] for _ in inputs]
+        for picture, question in inputs:
+            token, state = _prefill_prompt(loaded, picture, question)
+            attach_step(state, step)
+            states.append(state)
+            fed.append(token)
+        for index in range(STEPS):
+            active = [i for i in range(len(inputs)) if joins[i] <= index < leaves[i]]
+            position = {i: index - joins[i] for i in active}
+            logits = decode_batch(step, [states[i] for i in active], [fed[i] for i in active])
+            for row, i in enumerate(active):
+                got_logits[i].append(logits[row:row + 1].float())
+                # greedy in float32; the tokens chosen alone elsewhere, so rows stay comparable
+                fed[i] = int(logits[row].argmax()) if dtype == "float32" else alone[i][1][position[i]]
+        for state in states:
+            detach_step(state)
+
+    # int8: a lone token is quantized over its [min, max] in 255 levels (fbgemm's dynamic op), a batch's rows each
+    # over +-max in 127: up to twice the rounding of the other int8 cases.
+    tolerance = {"float32": 1e-4, "bfloat16": 0.15, "int8": 0.3 * INT8_SCALE}[dtype]
+    for i, (_, tokens, logits, reference) in enumerate(alone):
+        count = leaves[i] - joins[i]
+        if dtype == "float32":
+            assert [int(row.argmax()) for row in got_logits[i]] == tokens[:count]
+        for got, want in zip(got_logits[i], logits[:count]):
+            torch.testing.assert_close(got, want, atol=tolerance, rtol=0.0)
+        for got, want in zip(states[i].cache.layers, reference.cache.layers):
+            assert got.keys.shape[2] == want.keys.shape[2] - (STEPS - count)
+            torch.testing.assert_close(got.keys.float(), want.keys[:, :, :got.keys.shape[2]].float(),
+                                       atol=max(tolerance, 1e-4), rtol=0.05)
+
+
+def test_the_vision_encode_in_pieces_is_the_vision_towers_to_the_bit(tiny_model, images_dir):
+    """Two pictures encoded in pieces (a yield before every block) give transformers' image features and deepstack
+    features exactly."""
+    from engine.generate import encode_images_in_pieces
+
+    loaded = load_model(EngineConfig(model=str(tiny_model), compile="off", warmup=False))
+    config = EngineConfig()
+    pictures = [Image.open(images_dir / name).convert("RGB") for name in ("coffee.png", "chelsea.png")]
+    sizes = [fit_to_budget(*picture.size, config.min_pixels, config.max_pixels) for picture in pictures]
+    patches = patchify_images(loaded.image_processor, pictures, sizes)
+    with torch.inference_mode():
+        expected = encode_images(loaded.model, patches)
+        pieces, yields = encode_images_in_pieces(loaded.model, patches, 0.0), 0
+        while True:
+            try:
+                next(pieces)
+                yields += 1
+            except StopIteration as done:
+                got = done.value
+                break
+    assert yields == len(loaded.model.model.visual.blocks)
+    assert len(got.pooler_output) == len(expected.pooler_output) == 2
+    for mine, theirs in zip(got.pooler_output, expected.pooler_output):
+        assert torch.equal(mine, theirs)
+    for mine, theirs in zip(got.deepstack_features, expected.deepstack_features):
+        assert all(torch.equal(a, b) for a, b in zip(mine, theirs))
