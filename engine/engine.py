@@ -10,7 +10,7 @@ import logging
 import queue
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Union
 
@@ -29,21 +29,19 @@ from .errors import (
     VlscopeError,
 )
 from .direct_step import DirectDecodeStep
-from .generate import Sampler, decode_n_tokens, encode_images, prefill, prefill_text
-from .images import (
-    enhance_for_ocr,
-    fit_to_budget,
-    load_request_images,
-    vision_token_count,
-)
-from .memory import available_bytes, back_with_huge_pages, estimate_request_bytes
-from .metrics import RequestMetrics, PeakRss
+from .generate import (DecodeState, Sampler, attach_step, decode_batch, decode_one_token, detach_step,
+                       encode_images_in_pieces, prefill, prefill_text)
+from .images import load_request_images
+from .inputs import check_memory, ocr_pictures, prepare_input
+from .memory import back_with_huge_pages
+from .metrics import RequestMetrics, PeakRss, current_rss
+from .output import Detokenizer, SequenceOutput, StopStrings  # noqa: F401 (Detokenizer, StopStrings: re-exported)
 from .system import memory_read_gb_per_s
 from .model_loading import LoadedModel, ProgressCallback, load_model, may_compile, pack_remaining_linears
 from .prefix_cache import CachedSequence, PrefixCache, image_spans
-from .preprocess import chat_messages, image_grids, patchify_images, tokenize_prompt
+from .preprocess import image_grids, patchify_images
 from .request import ChatRequest, Queued, StageStarted, TextChunk
-from .scheduler import Job, RequestQueue
+from .scheduler import Job, Scheduler
 from .store import MetricsStore
 from .trace import (
     CANCELLED,
@@ -61,6 +59,10 @@ from .trace import (
 )
 
 log = logging.getLogger(__name__)
+
+# An admission's vision encode yields to the running answers once a piece has run this long: their longest pause is
+# about this plus one vision block, or the prefill, whichever is longer.
+ADMISSION_PIECE_SECONDS = 0.6
 
 Event = Union[Queued, StageStarted, TextChunk, RequestMetrics]
 
@@ -88,56 +90,38 @@ class EngineInfo:
     read_ceiling_gb_per_s: float | None = None  # memory read rate measured at load on the compute thread
 
 
-class Detokenizer:
-    """Turns token ids into text as they arrive, holding back a partial UTF-8 character until it is complete."""
+class Admission:
+    """A job being admitted: its pieces run one at a time on the compute thread (`advance`), a decode step of the
+    running sequences between each two; `sequence` is set once they are done (None: the request already ended)."""
 
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.tokens: list[int] = []
-        self.text = ""
+    def __init__(self, job: Job, pieces):
+        self.job, self._pieces = job, pieces
+        self.sequence: "Sequence | None" = None
+        self.done = False
 
-    def push(self, token: int) -> str:
-        self.tokens.append(token)
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
-            return ""
-        new, self.text = text[len(self.text):], text
-        return new
+    def advance(self) -> None:
+        with torch.inference_mode():
+            try:
+                next(self._pieces)
+            except StopIteration as finished:
+                self.sequence, self.done = finished.value, True
 
 
-class StopStrings:
-    """Cuts an answer before the first of its stop strings. Text that might be the start of one is held back until
-    the next tokens tell, so a stop string split across tokens never reaches the client."""
+@dataclass(eq=False)
+class Sequence:
+    """A request past its first token: its place in the model, its sampler, its output and its books."""
 
-    def __init__(self, stops: tuple[str, ...]):
-        self.stops = tuple(stop for stop in stops if stop)
-        self.sent = 0  # characters of the answer released so far
-        self.hit = False
-
-    def release(self, text: str) -> str:
-        """Given the whole answer so far, the part that may be shown now."""
-        if self.hit:
-            return ""
-        if not self.stops:
-            return self._advance(text, len(text))
-        start = max(0, self.sent - max(len(stop) for stop in self.stops) + 1)
-        found = [index for index in (text.find(stop, start) for stop in self.stops) if index >= 0]
-        if found:
-            self.hit = True
-            return self._advance(text, min(found))
-        held = 0
-        for stop in self.stops:
-            held = max(held, next((k for k in range(min(len(stop) - 1, len(text)), 0, -1)
-                                   if text.endswith(stop[:k])), 0))
-        return self._advance(text, max(self.sent, len(text) - held))
-
-    def flush(self, text: str) -> str:
-        """At the end of the answer: whatever was held back (none of it became a stop string)."""
-        return "" if self.hit else self._advance(text, len(text))
-
-    def _advance(self, text: str, until: int) -> str:
-        new, self.sent = text[self.sent:until], until
-        return new
+    job: Job
+    trace: RequestTrace
+    state: DecodeState
+    sampler: Sampler
+    output: SequenceOutput
+    keys: tuple  # its images' cache keys and spans: the prefix cache keeps its conversation under them
+    spans: tuple
+    token: int  # the last sampled token: the next step's input
+    latencies: list[float] = field(default_factory=list)
+    batch_sizes: list[int] = field(default_factory=list)
+    rss: list[int] = field(default_factory=list)  # before, peak
 
 
 class RequestHandle:
@@ -227,8 +211,10 @@ class Engine(StreamingMixin):
             read_ceiling_gb_per_s=read_ceiling,
         )
         self._generator = torch.Generator().manual_seed(self.config.seed)
+        self._running: list[Sequence] = []  # the batch an admission runs beside, for its memory check
         self._prefix_cache = PrefixCache(self.config.prefix_cache_entries if self.config.kv_cache else 0)
-        self._queue = RequestQueue(lambda job: compute.run(self._run, job), max_waiting=self.config.max_queue)
+        self._queue = Scheduler(self._begin, self._admit, self._step, max_waiting=self.config.max_queue,
+                                batch_limit=self.batch_limit)
         if self.config.warmup:
             report(0.97, "Warm-up request")
             self.warm_up()
@@ -239,6 +225,16 @@ class Engine(StreamingMixin):
     @property
     def queue_depth(self) -> int:
         return self._queue.depth
+
+    @property
+    def active_sequences(self) -> int:
+        """Requests decoding now, together in each step."""
+        return self._queue.running
+
+    def batch_limit(self) -> int:
+        """How many sequences decode together: the setting where the direct decode step runs, else one at a time
+        (transformers' forward decodes one sequence)."""
+        return self.config.max_batch if self._decode_step is not None else 1
 
     def submit(self, request: ChatRequest) -> RequestHandle:
         """Validate the images and queue the request. Raises InvalidImage or Busy (their metrics are recorded)."""
@@ -296,45 +292,74 @@ class Engine(StreamingMixin):
         if self._queue.withdraw(job):  # cancelled while waiting: the worker will never see it
             job.trace.finish(CANCELLED)
 
-    def _run(self, job: Job) -> None:
-        """Worker thread: one request from queue exit to metrics."""
+    def _begin(self, job: Job) -> Admission:
+        return Admission(job, self._admission(job))
+
+    def _admit(self, admission: Admission, running: list["Sequence"]) -> None:
+        """Worker thread: the next piece of an admission on the compute thread, between two decode steps of the
+        `running` sequences, which wait for it: the time goes on their records as paused."""
+        self._running = running
+        started = time.perf_counter()
+        try:
+            compute.run(admission.advance)
+        finally:
+            paused = time.perf_counter() - started
+            for sequence in running:
+                sequence.trace.paused_s += paused
+
+    def _admission(self, job: Job):
+        """A request from queue exit to its first token, in pieces that each end at a `yield` (preprocess and
+        encode; prefill and the first token), so running streams take a step between them. Returns the sequence
+        that goes on decoding, or None once the request has ended (an error, a cancel, an answer of one token)."""
         trace = job.trace
         trace.start()
-        error: BaseException | None = None
-        status = OK
-        with torch.inference_mode(), PeakRss() as rss:
-            try:
-                status = CANCELLED if job.cancelled.is_set() else self._generate(job, trace)
-            except VlscopeError as exc:
-                status, error = (REFUSED if isinstance(exc, (PromptTooLong, InsufficientMemory)) else ERROR), exc
-            except Exception as exc:
-                log.exception("request %s failed", job.id)
-                status, error = ERROR, GenerationFailed(f"generation failed: {type(exc).__name__}: {exc}")
-        trace.rss_bytes = (rss.before, rss.peak, rss.after)
-        trace.finish(status, error)
+        rss = PeakRss()
+        rss.__enter__()
+        status, error, sequence = CANCELLED, None, None
+        try:
+            if not job.cancelled.is_set():
+                sequence = yield from self._prefill(job, trace)
+        except VlscopeError as exc:
+            status, error = (REFUSED if isinstance(exc, (PromptTooLong, InsufficientMemory)) else ERROR), exc
+        except Exception as exc:
+            log.exception("request %s failed", job.id)
+            status, error = ERROR, GenerationFailed(f"generation failed: {type(exc).__name__}: {exc}")
+        finally:
+            rss.__exit__(None, None, None)
+        if sequence is None:
+            trace.rss_bytes = (rss.before, rss.peak, rss.after)
+            trace.finish(status, error)
+            return None
+        sequence.rss = [rss.before, rss.peak]
+        if sequence.output.stopped or sequence.output.tokens >= trace.max_new_tokens or job.cancelled.is_set():
+            self._end(sequence)
+            return None
+        trace.announce(DECODE)
+        return sequence
 
-    def _generate(self, job: Job, trace: RequestTrace) -> str:
+    def _reserved_bytes(self) -> int:
+        """Keys and values the running answers will still add, up to their length limits."""
+        step = self._decode_step
+        if step is None:
+            return 0
+        return sum(max(0, step.kv_bytes(sequence.trace.prompt_tokens + sequence.trace.max_new_tokens)
+                          - step.kv_bytes(sequence.state.tokens.shape[1]))
+                   for sequence in self._running if sequence.state.kv is not None)
+
+    def _prefill(self, job: Job, trace: RequestTrace) -> "Sequence | None":
         request, config, loaded = job.request, self.config, self.loaded
         model = loaded.model
         pictures = [image.image for image in job.images]
         if request.enhance_for_ocr and pictures:
             with trace.stage(OCR_ENHANCE):
-                pictures = [enhance_for_ocr(picture) for picture in pictures]
+                pictures = ocr_pictures(job)
 
-        max_new_tokens = trace.max_new_tokens
         with trace.stage(PREPROCESS):
-            sizes = [fit_to_budget(*picture.size, config.min_pixels, config.max_pixels) for picture in pictures]
-            image_counts = [len(turn.images) for turn in request.history if turn.role == "user"]
-            messages = chat_messages(request.history, request.prompt, image_counts + [len(request.images)])
-            prompt = tokenize_prompt(loaded.tokenizer, messages, sizes, loaded.image_token_id)
-            prompt_tokens = prompt.input_ids.shape[1]
-            trace.resized_sizes = tuple(sizes)
-            trace.vision_tokens = sum(vision_token_count(size) for size in sizes)
-            trace.prompt_tokens = prompt_tokens
-            self._check_length(prompt_tokens, max_new_tokens)
-            self._check_memory(sizes, prompt_tokens, max_new_tokens)
-            keys = tuple(f"{image.sha256}/{int(request.enhance_for_ocr)}/{w}x{h}"
-                         for image, (w, h) in zip(job.images, sizes))
+            prepared = prepare_input(job, pictures, loaded, config, self.info.context_length)
+            prompt, sizes, keys = prepared.prompt, prepared.sizes, prepared.keys
+            check_memory(model.config, sizes, trace.prompt_tokens, trace.max_new_tokens, loaded.compute_dtype,
+                         isinstance(self._decode_step, DirectDecodeStep), config.memory_limit_bytes,
+                         self._reserved_bytes())
             spans = image_spans(prompt.mm_token_type_ids)
             reuse = config.kv_cache and request.reuse_cache
             reused, start = self._prefix_cache.take(prompt.input_ids, keys, spans) if reuse else (None, 0)
@@ -347,10 +372,24 @@ class Engine(StreamingMixin):
 
         vision = None
         if patches is not None:
-            with trace.stage(VISION_ENCODE):
-                vision = encode_images(model, patches)
+            yield  # preprocessing done: the running streams take a step
+            trace.announce(VISION_ENCODE)
+            pieces = encode_images_in_pieces(model, patches, ADMISSION_PIECE_SECONDS)
+            while True:  # timed piece by piece: the steps between them are other requests' time
+                started = time.perf_counter()
+                try:
+                    next(pieces)
+                except StopIteration as encoded:
+                    trace.add(VISION_ENCODE, time.perf_counter() - started)
+                    vision = encoded.value
+                    break
+                trace.add(VISION_ENCODE, time.perf_counter() - started)
+                yield
+                if job.cancelled.is_set():
+                    return None
+        yield  # encoding done: another step before the prefill
         if job.cancelled.is_set():
-            return CANCELLED
+            return None
 
         sampler = Sampler(
             temperature=trace.temperature,
@@ -368,96 +407,80 @@ class Engine(StreamingMixin):
                 logits, state = prefill(model, prompt, vision, all_grids, config.kv_cache,
                                         cache=reused.cache if reused else None, start=start)
                 if step is not None:  # its buffers grow: any length fits
-                    step.take(state.cache)
-                    state.step = step
+                    attach_step(state, step)
             token = sampler(logits)
-        status = self._decode(job, trace, state, token, sampler)
-        if state.step is not None:
-            state.step.give_back(state.cache, state.tokens.shape[1])
-        if state.cache is not None:  # prompt and answer so far: the start of this conversation's next turn
-            self._prefix_cache.put(CachedSequence(state.tokens, state.cache, keys, spans))
-        return status
-
-    def _decode(self, job: Job, trace: RequestTrace, state, token: int, sampler: Sampler) -> str:
-        loaded, emit, model = self.loaded, job.events.put, self.loaded.model
-
-        detokenizer = Detokenizer(loaded.tokenizer)
-        stops = StopStrings(job.request.stop)
-        stop_ids = set() if job.request.ignore_eos else set(loaded.eos_token_ids)
-        latencies: list[float] = []
-        output_tokens = 0
-        shown_logprobs = 0  # sampler.logprobs already attached to a chunk
-
-        def show(text: str) -> None:
-            nonlocal shown_logprobs
-            logprobs = tuple(sampler.logprobs[shown_logprobs:output_tokens])
-            if text or logprobs:
-                shown_logprobs += len(logprobs)
-                emit(TextChunk(text, logprobs))
-
-        def take(token: int) -> bool:
-            """Count and show one answer token; True once a stop string has ended the answer."""
-            nonlocal output_tokens
-            output_tokens += 1
-            with trace.stage(DETOKENIZE, announce=False):
-                detokenizer.push(token)
-                text = stops.release(detokenizer.text)
-            trace.first_token()
-            show(text)
-            return stops.hit
-
-        ended = token in stop_ids
-        if not ended and not take(token):
-            trace.announce(DECODE)
-            steps = decode_n_tokens(model, state, token, trace.max_new_tokens - 1, sampler, stop_ids,
-                                    job.cancelled.is_set)
-            while True:
-                started = time.perf_counter()
-                token = next(steps, None)
-                if token is None:
-                    break
-                step = time.perf_counter() - started
-                latencies.append(step)
-                trace.add(DECODE, step)
-                if token in stop_ids:
-                    ended = True
-                    break
-                if take(token):
-                    break
+        stop_ids = set() if request.ignore_eos else set(loaded.eos_token_ids)
+        output = SequenceOutput(loaded.tokenizer, request.stop, stop_ids, job.events.put, sampler.logprobs)
+        sequence = Sequence(job, trace, state, sampler, output, keys, spans, token)
+        with trace.stage(DETOKENIZE, announce=False):
+            output.take(token)
         trace.first_token()
-        show(stops.flush(detokenizer.text))
+        return sequence
 
-        decode_seconds = sum(latencies)
+    def _step(self, sequences: list["Sequence"]) -> list["Sequence"]:
+        """Worker thread: every running sequence one token further, in one step on the compute thread. Returns the
+        sequences that ended (answered, stopped, cancelled or failed); each has its record."""
+        return compute.run(self._advance, sequences)
+
+    def _advance(self, sequences: list["Sequence"]) -> list["Sequence"]:
+        ended = [sequence for sequence in sequences if sequence.job.cancelled.is_set()]
+        live = [sequence for sequence in sequences if sequence not in ended]
+        if live:
+            started = time.perf_counter()
+            try:
+                with torch.inference_mode():
+                    logits = self._decode_logits(live)
+            except Exception as exc:
+                log.exception("a decode step of %d sequence(s) failed", len(live))
+                error = GenerationFailed(f"generation failed: {type(exc).__name__}: {exc}")
+                for sequence in live:
+                    self._end(sequence, error)
+                return sequences
+            elapsed, rss = time.perf_counter() - started, current_rss()
+            for row, sequence in enumerate(live):
+                trace, output = sequence.trace, sequence.output
+                sequence.latencies.append(elapsed)
+                sequence.batch_sizes.append(len(live))
+                sequence.rss[1] = max(sequence.rss[1], rss)
+                trace.add(DECODE, elapsed)
+                sequence.token = sequence.sampler(logits[row:row + 1])
+                with trace.stage(DETOKENIZE, announce=False):
+                    output.take(sequence.token)
+                if output.stopped or output.tokens >= trace.max_new_tokens:
+                    ended.append(sequence)
+        for sequence in ended:
+            self._end(sequence)
+        return ended
+
+    def _decode_logits(self, sequences: list["Sequence"]) -> torch.Tensor:
+        """The next logits of each sequence, row by row: one batched step of the direct decode step, or (plain
+        kernels, no KV cache: batches of one) transformers' forward."""
+        if sequences[0].state.step is None:
+            (sequence,) = sequences
+            return decode_one_token(self.loaded.model, sequence.state, sequence.token)
+        return decode_batch(self._decode_step, [sequence.state for sequence in sequences],
+                            [sequence.token for sequence in sequences])
+
+    def _end(self, sequence: "Sequence", error: BaseException | None = None) -> None:
+        """Close a sequence's books: its keys and values back to the prefix cache, the held-back text out, its
+        record stored and posted."""
+        job, trace, state, output = sequence.job, sequence.trace, sequence.state, sequence.output
         cancelled = job.cancelled.is_set()
-        trace.output_tokens = output_tokens
-        trace.token_latencies_s = tuple(latencies)
-        trace.decode_tokens_per_s = (len(latencies) / decode_seconds) if decode_seconds > 0 else None
-        trace.answer = detokenizer.text[:stops.sent]
-        trace.finish_reason = None if cancelled else "stop" if ended or stops.hit else "length"
-        return CANCELLED if cancelled else OK
-
-    def _check_length(self, prompt_tokens: int, max_new_tokens: int) -> None:
-        if prompt_tokens > self.config.max_input_tokens:
-            raise PromptTooLong(
-                f"The prompt is {prompt_tokens} tokens (text, earlier turns and images); the limit is "
-                f"{self.config.max_input_tokens}. Shorten the conversation, use fewer or smaller images, "
-                "or lower the image token budget."
-            )
-        if prompt_tokens + max_new_tokens > self.info.context_length:
-            raise PromptTooLong(
-                f"The prompt ({prompt_tokens} tokens) plus {max_new_tokens} new tokens exceeds the model's context "
-                f"of {self.info.context_length} tokens."
-            )
-
-    def _check_memory(self, sizes, prompt_tokens: int, max_new_tokens: int) -> None:
-        patches = sum(width * height // 256 for width, height in sizes)
-        value_bytes = 4 if self.loaded.compute_dtype == "float32" else 2
-        need = estimate_request_bytes(self.loaded.model.config, patches, prompt_tokens, max_new_tokens, value_bytes,
-                                      float32_decode_cache=isinstance(self._decode_step, DirectDecodeStep))
-        room = self.config.memory_limit_bytes or available_bytes()
-        if need > room:
-            raise InsufficientMemory(
-                f"This request needs about {need / 2**30:.1f} GiB beyond the model's weights and "
-                f"{room / 2**30:.1f} GiB is available. Use fewer or smaller images, a lower image token budget, "
-                "fewer new tokens, or bfloat16."
-            )
+        try:
+            detach_step(state)
+            if state.cache is not None and error is None:  # prompt and answer so far: the next turn's start
+                self._prefix_cache.put(CachedSequence(state.tokens, state.cache, sequence.keys, sequence.spans))
+        except Exception:
+            log.exception("request %s: its cache could not be kept", job.id)
+        output.finish()
+        decode_seconds = sum(sequence.latencies)
+        trace.output_tokens = output.tokens
+        trace.token_latencies_s = tuple(sequence.latencies)
+        trace.decode_batch_sizes = tuple(sequence.batch_sizes)
+        trace.decode_tokens_per_s = (len(sequence.latencies) / decode_seconds) if decode_seconds > 0 else None
+        trace.answer = output.answer
+        trace.finish_reason = None if cancelled or error else "stop" if output.stopped else "length"
+        after = current_rss()
+        trace.rss_bytes = (sequence.rss[0], max(sequence.rss[1], after), after)
+        status = ERROR if error is not None else CANCELLED if cancelled else OK
+        trace.finish(status, error)

@@ -41,6 +41,8 @@ class RequestMetrics:
     queue_wait_s: float = 0.0
     stages: dict = field(default_factory=dict)  # stage name (trace.STAGES) -> seconds, only stages that ran
     token_latencies_s: tuple[float, ...] = ()  # every decode step after the first token
+    decode_batch_sizes: tuple[int, ...] = ()  # how many sequences each of those steps advanced together
+    paused_s: float = 0.0  # time its decode waited while other requests were admitted (their encode and prefill)
     ttft_s: float | None = None  # submission to first token text
     decode_tokens_per_s: float | None = None
     finish_reason: str | None = None  # stop (an end token or stop string) or length (max_new_tokens reached)
@@ -76,6 +78,7 @@ class RequestMetrics:
         for key in ("image_sizes", "resized_sizes"):
             values[key] = tuple(tuple(size) for size in values.get(key, ()))
         values["token_latencies_s"] = tuple(values.get("token_latencies_s", ()))
+        values["decode_batch_sizes"] = tuple(values.get("decode_batch_sizes", ()))
         return cls(**values)
 
 

@@ -72,6 +72,14 @@ class RemoteEngine(StreamingMixin):
     def queue_depth(self) -> int:
         return self._in_flight
 
+    @property
+    def active_sequences(self) -> int:
+        """Requests in flight to the remote server (it batches them as it does)."""
+        return self._in_flight
+
+    def batch_limit(self) -> int:
+        return self.config.max_queue + 1
+
     def submit(self, request: ChatRequest) -> RequestHandle:
         job = Job(uuid.uuid4().hex, request)
         job.trace = trace = RequestTrace(job, self.info, self.config, self.store)

@@ -1,6 +1,9 @@
-"""One generation at a time: a bounded FIFO of jobs served by a single worker thread.
+"""Which requests run: a bounded FIFO of waiting jobs and a batch of running sequences, served by one worker thread
+that alternates between admitting a newcomer and advancing the batch by one decode step.
 
-The CPU is the bottleneck, so running two requests at once only makes both slower. Waiters learn their position.
+Decode reads every weight once per step whatever the number of rows, so a step for four sequences costs little more
+than a step for one: running requests share steps instead of waiting for each other's whole answers. A newcomer is
+admitted between two steps, one at a time, so a running stream pauses for one prefill at most.
 """
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ import queue
 import threading
 import time
 from collections import deque
-from typing import Callable
+from typing import Callable, Generic, TypeVar
 
 from .errors import Busy
 from .request import ChatRequest, Queued
@@ -46,34 +49,58 @@ class Job:
             self.events.put(Queued(position))
 
 
-class RequestQueue:
-    def __init__(self, run: Callable[[Job], None], max_waiting: int):
-        self._run = run
+S = TypeVar("S")  # a running sequence, as the engine keeps it
+
+
+class Scheduler(Generic[S]):
+    """begin(job) starts a job's admission; admit(admission, running) runs its next piece (preprocess and encode,
+    prefill and first token) while the running sequences wait, after which `admission.done` tells whether it is over
+    and `admission.sequence` holds the sequence that goes on decoding (None when the job already ended);
+    step(sequences) advances every running sequence by one token and returns those that ended. All three are the
+    engine's, called from this scheduler's worker thread, which alternates one admission piece and one step.
+    `batch_limit()` is read before each admission."""
+
+    def __init__(self, begin: Callable[[Job], object], admit: Callable[[object, list[S]], None],
+                 step: Callable[[list[S]], list[S]], max_waiting: int, batch_limit: Callable[[], int]):
+        self._begin, self._admit, self._step, self.batch_limit = begin, admit, step, batch_limit
         self.max_waiting = max_waiting
         self._waiting: deque[Job] = deque()
-        self._running: Job | None = None
+        self._running: list[S] = []
+        self._admitting = None  # the admission under way: its pieces alternate with decode steps
         self._condition = threading.Condition()
         self._closed = False
+        self._failed = False  # the last engine call raised past the engine's own handling
         self._worker = threading.Thread(target=self._serve, name="vlscope-worker", daemon=True)
         self._worker.start()
 
     @property
     def depth(self) -> int:
-        """Requests waiting plus the one running."""
+        """Requests waiting plus those running (a request whose record is posted no longer counts)."""
         with self._condition:
-            running = self._running is not None and not self._running.finished.is_set()
-            return len(self._waiting) + running
+            admitting = self._admitting is not None and not self._admitting.job.finished.is_set()
+            return len(self._waiting) + self.running + admitting
+
+    @property
+    def running(self) -> int:
+        """Sequences decoding (each has a `job`)."""
+        return sum(not sequence.job.finished.is_set() for sequence in list(self._running))
+
+    def _busy_slots(self) -> int:
+        return len(self._running) + (self._admitting is not None)
+
+    def _full(self) -> bool:
+        return self._busy_slots() >= self.batch_limit()
 
     def check_room(self) -> None:
         """Raise Busy if a request submitted now would be turned away (before its images are decoded)."""
         with self._condition:
             if self._closed:
                 raise Busy("the engine is shutting down")
-            busy = self._running is not None or self._waiting
-            if busy and len(self._waiting) >= self.max_waiting:
+            free = max(0, self.batch_limit() - self._busy_slots())
+            if len(self._waiting) >= free + self.max_waiting:
                 raise Busy(
-                    f"The server is busy: {len(self._waiting) + 1} requests are ahead and the queue holds "
-                    f"{self.max_waiting}. Try again in a moment."
+                    f"The server is busy: {len(self._waiting) + self._busy_slots()} requests are ahead and the "
+                    f"queue holds {self.max_waiting}. Try again in a moment."
                 )
 
     def submit(self, job: Job) -> None:
@@ -95,34 +122,60 @@ class RequestQueue:
             return True
 
     def _tell_positions(self) -> None:
-        ahead = 1 if self._running is not None else 0
+        """Position 0 is admitted next, as soon as the batch has room; 1 and more count those ahead in the line,
+        plus one when the batch is full (a running answer must end first)."""
+        ahead = int(self._full())
         for index, job in enumerate(self._waiting):
             job.tell_position(ahead + index)
 
     def _serve(self) -> None:
         while True:
             with self._condition:
-                while not self._waiting and not self._closed:
+                while not self._closed and not self._running and not self._waiting and self._admitting is None:
                     self._condition.wait()
-                if self._closed:
+                if self._closed and not self._running and self._admitting is None:
                     return
-                job = self._waiting.popleft()
-                self._running = job
-                self._tell_positions()
-            try:
-                self._run(job)
-            except BaseException:  # the worker must outlive any request
-                log.exception("request %s failed outside its own error handling", job.id)
-            finally:
-                with self._condition:
-                    self._running = None
+                if self._admitting is None and self._waiting and not self._full() and not self._closed:
+                    self._admitting = self._guarded(self._begin, self._waiting.popleft())
+                    self._failed = False
                     self._tell_positions()
+                admission, running = self._admitting, list(self._running)
+            if admission is not None:
+                self._guarded(self._admit, admission, running)
+                finished = admission.done or self._failed
+                with self._condition:
+                    if finished:
+                        self._admitting = None
+                        if admission.sequence is not None and not self._failed:
+                            self._running.append(admission.sequence)
+                        self._tell_positions()
+                self._failed = False
+            if running:
+                # A step that failed outside the engine's own handling drops its sequences rather than retry forever.
+                ended = self._guarded(self._step, running)
+                with self._condition:
+                    ended = running if self._failed else ended
+                    self._running = [sequence for sequence in self._running if sequence not in ended]
+                    self._tell_positions()
+                self._failed = False
+
+    def _guarded(self, call, *arguments):
+        try:
+            return call(*arguments)
+        except BaseException:  # the worker must outlive any request
+            log.exception("the scheduler's %s failed outside its own error handling", getattr(call, "__name__", call))
+            self._failed = True
+            return None
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Stop taking requests; waiting ones are left to their callers' cancel. Joins the worker so that
-        nothing keeps the engine (and its weights) alive."""
+        """Stop taking requests; waiting ones are left to their callers' cancel, running ones are cancelled (their
+        records end within a step). Joins the worker so that nothing keeps the engine (and its weights) alive."""
         with self._condition:
             self._closed = True
+            for sequence in self._running:
+                sequence.job.cancel()
+            if self._admitting is not None:
+                self._admitting.job.cancel()
             self._condition.notify_all()
         if threading.current_thread() is not self._worker:
             self._worker.join(timeout_s)

@@ -72,6 +72,8 @@ class RequestTrace:
         self.cached_prompt_tokens = 0
         self.output_tokens = 0
         self.token_latencies_s: tuple[float, ...] = ()
+        self.decode_batch_sizes: tuple[int, ...] = ()
+        self.paused_s = 0.0
         self.ttft_s: float | None = None
         self.decode_tokens_per_s: float | None = None
         self.finish_reason: str | None = None
@@ -161,6 +163,8 @@ class RequestTrace:
             queue_wait_s=self.queue_wait_s,
             stages=dict(self.seconds),
             token_latencies_s=self.token_latencies_s,
+            decode_batch_sizes=self.decode_batch_sizes,
+            paused_s=self.paused_s,
             ttft_s=self.ttft_s,
             decode_tokens_per_s=self.decode_tokens_per_s,
             finish_reason=self.finish_reason,

@@ -166,8 +166,14 @@ def test_dropping_the_stream_cancels_it(engine):
     assert dropped.status == "cancelled" and dropped.output_tokens < 5000
 
 
-def test_queue_bound_positions_and_cancel_while_waiting(make_engine):
-    engine = make_engine(max_queue=1)
+@pytest.mark.parametrize("max_batch", [1, 2])
+def test_queue_bound_positions_and_cancel_while_waiting(make_engine, max_batch):
+    """With the batch full (one or two long answers running), one request may wait and the next is busy."""
+    engine = make_engine(max_queue=1, max_batch=max_batch)
+    others = [engine.submit(ChatRequest(prompt="Long too", max_new_tokens=5000, ignore_eos=True))
+              for _ in range(max_batch - 1)]
+    for other in others:
+        first_text(other.events())
     running = engine.submit(ChatRequest(prompt="Long", max_new_tokens=5000, ignore_eos=True))
     running_events = running.events()
     first_text(running_events)
@@ -177,17 +183,24 @@ def test_queue_bound_positions_and_cancel_while_waiting(make_engine):
     assert caught.value.metrics.status == "refused" and caught.value.metrics.error_type == "busy"
     waiting_events = waiting.events()
     assert next(waiting_events) == Queued(1)
-    assert engine.queue_depth == 2
+    assert engine.queue_depth == 1 + max_batch
+    deadline = time.monotonic() + 10  # the last one admitted joins the batch once its first token is out
+    while engine.active_sequences < max_batch and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.active_sequences == max_batch
     waiting.cancel()
     withdrawn = next(waiting_events)
     assert isinstance(withdrawn, RequestMetrics) and withdrawn.status == "cancelled" and withdrawn.started_at is None
-    running.cancel()
+    for handle in [running] + others:
+        handle.cancel()
     list(running_events)
     assert engine.ask(ChatRequest(prompt="Now", max_new_tokens=2)).metrics.status == "ok"
     assert engine.queue_depth == 0
 
 
-def test_concurrent_submitters_are_served_one_by_one_in_order(engine):
+def test_concurrent_submitters_are_served_one_by_one_in_order(make_engine):
+    """With a batch of one, the queue serves requests in the order they came, never two at once."""
+    engine = make_engine(max_batch=1)
     blocker = engine.submit(ChatRequest(prompt="Hold the worker", max_new_tokens=5000, ignore_eos=True))
     blocker_events = blocker.events()
     first_text(blocker_events)
@@ -213,6 +226,48 @@ def test_concurrent_submitters_are_served_one_by_one_in_order(engine):
     for earlier, later in zip(served, served[1:]):
         assert earlier.finished_at <= later.started_at  # never two at once
     assert all(m.status == "ok" for m in served)
+
+
+def test_concurrent_requests_decode_together_and_answer_as_alone(make_engine, images_dir):
+    """Three requests at once (two pictures, a text prompt, one with a stop string) share decode steps: each record
+    shows the batch sizes its steps ran at and the time others' admission paused it, and each answer is the one it
+    gets alone (float32 greedy). One cancelled mid-batch leaves; the others go on."""
+    engine = make_engine(max_batch=4)
+    requests = [ChatRequest(prompt="Describe", images=(images_dir / "coffee.png",), max_new_tokens=24, ignore_eos=True),
+                ChatRequest(prompt="What is it?", images=(images_dir / "chelsea.png",), max_new_tokens=16,
+                            ignore_eos=True),
+                ChatRequest(prompt="Name three colours", max_new_tokens=20, ignore_eos=True, top_logprobs=2)]
+    alone = [engine.ask(request) for request in requests]
+    stop = alone[1].text[len(alone[1].text) // 2:][:3]
+    requests[1] = ChatRequest(prompt="What is it?", images=(images_dir / "chelsea.png",), max_new_tokens=16,
+                              ignore_eos=True, stop=(stop,))
+    expected_stopped = engine.ask(requests[1])
+    cancelled = engine.submit(ChatRequest(prompt="Write a long story", max_new_tokens=5000, ignore_eos=True))
+    handles = [engine.submit(request) for request in requests]
+    cancelled_events = cancelled.events()
+    first_text(cancelled_events)
+    answers = [engine_answer(handle) for handle in handles[:1]]
+    cancelled.cancel()
+    answers += [engine_answer(handle) for handle in handles[1:]]
+    last = [e for e in cancelled_events if isinstance(e, RequestMetrics)][0]
+    assert last.status == "cancelled" and max(last.decode_batch_sizes) >= 3
+    for (text, metrics), reference in zip(answers, [alone[0], expected_stopped, alone[2]]):
+        assert text == reference.text and metrics.status == "ok"
+        assert metrics.output_tokens == reference.metrics.output_tokens
+        assert len(metrics.decode_batch_sizes) == len(metrics.token_latencies_s) == metrics.output_tokens - 1
+        assert max(metrics.decode_batch_sizes) >= 2  # it shared steps
+    assert answers[1][1].finish_reason == "stop" and stop not in answers[1][0]
+    assert answers[0][1].paused_s > 0  # the requests admitted after it paused its decode
+
+
+def engine_answer(handle) -> tuple[str, RequestMetrics]:
+    text = []
+    for event in handle.events():
+        if isinstance(event, TextChunk):
+            text.append(event.text)
+        elif isinstance(event, RequestMetrics):
+            return "".join(text), event
+    raise AssertionError("no metrics")
 
 
 def test_records_survive_an_engine_restart(make_engine, tmp_path):
@@ -693,3 +748,23 @@ def test_large_regions_move_onto_huge_pages():
     assert back_with_huge_pages() == huge_page_bytes()
     assert _huge_bytes_at(middle) >= 32 << 20
     assert int(weights.sum()) == 64 << 20  # the contents moved with it
+
+
+def test_streaming_detokenizer_gives_the_whole_decode_one_piece_at_a_time(tiny_model):
+    """Text with accents, CJK and an emoji whose bytes span tokens: the pieces join to the tokenizer's decode of the
+    whole answer, no piece ends mid-character, and each push decodes only the tokens since the last whole character."""
+    from transformers import AutoTokenizer
+
+    from engine.output import Detokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model))
+    text = "Café au lait, 東京の夜景 🌃 and naïve façades.\nDone."
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    detokenizer, pieces, decoded = Detokenizer(tokenizer), [], []
+    original = tokenizer.decode
+    tokenizer.decode = lambda tokens, **kwargs: decoded.append(len(tokens)) or original(tokens, **kwargs)
+    for token in ids:
+        pieces.append(detokenizer.push(token))
+    assert "".join(pieces) == detokenizer.text == original(ids, skip_special_tokens=True) == text
+    assert all("\ufffd" not in piece for piece in pieces)
+    assert max(decoded) <= 4 and len(decoded) == len(ids)  # never the whole answer again
