@@ -53,7 +53,8 @@ class Counters:
 _counters: dict[str, Counters] = {}
 
 
-def render(store: MetricsStore, queue_depth: int, weight_bytes: int, ready: bool) -> str:
+def render(store: MetricsStore, queue_depth: int, weight_bytes: int, ready: bool, active: int = 0,
+           batch_limit: int = 0) -> str:
     counters = _counters.setdefault(str(store.path), Counters())
     counters.fold(store)
     lines = ["# HELP vlscope_requests_total Requests recorded, by status and source.",
@@ -72,6 +73,14 @@ def render(store: MetricsStore, queue_depth: int, weight_bytes: int, ready: bool
         f"vlscope_rss_bytes {current_rss()}",
         "# HELP vlscope_queue_depth Requests waiting or running.", "# TYPE vlscope_queue_depth gauge",
         f"vlscope_queue_depth {queue_depth}",
+        "# HELP vlscope_batch_active Sequences decoding together now.", "# TYPE vlscope_batch_active gauge",
+        f"vlscope_batch_active {active}",
+        "# HELP vlscope_batch_limit Sequences that may decode together (VLSCOPE_MAX_BATCH).",
+        "# TYPE vlscope_batch_limit gauge",
+        f"vlscope_batch_limit {batch_limit}",
+        "# HELP vlscope_batch_occupancy Active sequences over the batch limit.",
+        "# TYPE vlscope_batch_occupancy gauge",
+        f"vlscope_batch_occupancy {active / batch_limit if batch_limit else 0.0:.4f}",
         "# HELP vlscope_weight_bytes Model weights in memory.", "# TYPE vlscope_weight_bytes gauge",
         f"vlscope_weight_bytes {weight_bytes}",
         "# HELP vlscope_model_ready 1 when the model is loaded.", "# TYPE vlscope_model_ready gauge",

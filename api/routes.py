@@ -343,7 +343,8 @@ async def metrics(request: Request) -> Response:
     slot = engine_slot()
     engine = slot.loaded.engine if slot.ready else None
     text = await anyio.to_thread.run_sync(lambda: prometheus.render(
-        get_store(), engine.queue_depth if engine else 0, engine.info.weight_bytes if engine else 0, engine is not None))
+        get_store(), engine.queue_depth if engine else 0, engine.info.weight_bytes if engine else 0, engine is not None,
+        engine.active_sequences if engine else 0, engine.batch_limit() if engine else 0))
     return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
 

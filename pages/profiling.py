@@ -7,7 +7,7 @@ import streamlit as st
 from engine import STATUSES, stage_percentiles, to_csv
 from engine.trace import REFUSED
 from engine.system import ISA_FLAGS, system_report
-from ui.charts import (label, latency_over_time, records_frame, rss_chart, server_stages, stage_bars,
+from ui.charts import (concurrency_chart, label, latency_over_time, records_frame, rss_chart, server_stages, stage_bars,
                        token_latency_chart)
 from ui.engine_resource import engine_slot, get_store
 
@@ -81,6 +81,10 @@ def live_view() -> None:
                       "p95 s": [v[95] for v in summary.values()]}, hide_index=True, key="table_percentiles")
     st.subheader("TTFT and decode speed over time")
     st.plotly_chart(latency_over_time(records), key="chart_over_time")
+    st.subheader("Answers at once and the tokens they make together")
+    st.caption("Requests decode together, one token each per step: a step for several costs little more than "
+               "a step for one.")
+    st.plotly_chart(concurrency_chart(records), key="chart_concurrency")
 
     with_tokens = [r for r in records if r.token_latencies_s]
     if with_tokens:

@@ -42,6 +42,9 @@ with st.form("settings_form"):
                            help="Off only for benchmarks: every token re-reads the whole sequence.")
     store_content = right.toggle("Store prompts, answers and images", current.store_content, key="set_store",
                                  help="Off: only metrics are kept.")
+    max_batch = left.number_input("Answers at once (batch limit)", 1, 32, current.max_batch, key="set_max_batch",
+                                  help="Requests that decode together, one token each per step; more wait in the "
+                                       "queue. A step for four costs little more than a step for one.")
     submitted = st.form_submit_button("Apply and reload", type="primary", key="apply_settings")
 
 if submitted:
@@ -50,7 +53,7 @@ if submitted:
                               threads=int(threads),
                               max_pixels=int(max_tokens) * 1024, min_pixels=min(current.min_pixels, int(max_tokens) * 1024),
                               max_new_tokens=int(max_new), temperature=float(temperature), top_p=float(top_p),
-                              kv_cache=kv_cache, store_content=store_content)
+                              kv_cache=kv_cache, store_content=store_content, max_batch=int(max_batch))
     except ValueError as exc:
         st.error(f"Not applied: {exc}")
     else:

@@ -98,6 +98,7 @@ def test_bad_image_shows_a_message_not_a_traceback(app_env):
 def test_too_long_prompt_and_busy_queue_are_explained(app_env, monkeypatch):
     monkeypatch.setenv("VLSCOPE_MAX_INPUT_TOKENS", "40")
     monkeypatch.setenv("VLSCOPE_MAX_QUEUE", "0")
+    monkeypatch.setenv("VLSCOPE_MAX_BATCH", "1")  # one long answer fills the batch
     at = start()
     at.selectbox(key="sample_image").set_value("coffee.png").run()
     ask(at, "Describe")
@@ -143,6 +144,8 @@ def test_settings_change_reloads_the_model(app_env):
     at.switch_page("pages/settings.py").run()
     at.selectbox(key="set_dtype").set_value("bfloat16")
     at.selectbox(key="set_compute_dtype").set_value("float32")
+    assert at.number_input(key="set_max_batch").value == 4
+    at.number_input(key="set_max_batch").set_value(2)
     at.button(key="apply_settings").click().run()
     assert not at.exception
     at.switch_page("pages/chat.py").run()
@@ -151,6 +154,7 @@ def test_settings_change_reloads_the_model(app_env):
     assert (record.dtype, record.compute_dtype) == ("bfloat16", "float32")
     at = start()  # a new session sees the new settings too
     assert {m.label: m.value for m in at.sidebar.metric}["dtype"] == "bfloat16"
+    assert any("of 2 answering together" in caption.value for caption in at.sidebar.caption)
 
 
 def test_unreachable_hub_model_falls_back_to_the_skeleton(app_env, tiny_skeleton, monkeypatch):
@@ -231,3 +235,23 @@ def test_a_stopped_answer_keeps_its_stats_line(app_env):
     (answer,) = assistant_messages(at)
     stats = answer.caption[0].value
     assert "TTFT" in stats and "total" in stats and stats.endswith("cancelled")
+
+
+def test_concurrency_series_counts_overlapping_answers():
+    """Two answers decoding over the same second and one alone after: two at once, then one; the tokens per second
+    of the pair add up."""
+    from engine import RequestMetrics
+    from ui.charts import concurrency_chart, concurrency_series
+
+    def record(start: float, end: float, tokens: int) -> RequestMetrics:
+        return RequestMetrics(id=f"r{start}", status="ok", source="api", warmup=False, submitted_at=start - 1,
+                              finished_at=end, model="m", synthetic=True, dtype="int8", threads=2, kv_cache=True,
+                              min_pixels=1, max_pixels=2, max_new_tokens=64, temperature=0.0, top_p=1.0,
+                              ttft_s=1.0, output_tokens=tokens)
+
+    series = concurrency_series([record(100, 110, 100), record(100, 110, 50), record(120, 130, 10)], bins=30)
+    during_pair = series.iloc[:5]  # one-second bins from the pair's first token
+    assert during_pair["active"].round(3).eq(2).all() and during_pair["tokens_per_s"].round(3).eq(15).all()
+    assert series["active"].max() == 2 and series["active"].iloc[-3] == 1
+    assert series["active"].iloc[12] == 0  # between the pair and the last one
+    assert [trace.name for trace in concurrency_chart([]).data] == ["answers decoding at once", "tokens/s, all answers"]

@@ -24,9 +24,18 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-
 
 @pytest.fixture
 def server(tiny_model, tmp_path):
+    yield from run_streamlit(tiny_model, tmp_path, max_new_tokens=24)
+
+
+@pytest.fixture
+def long_answer_server(tiny_model, tmp_path):
+    yield from run_streamlit(tiny_model, tmp_path, max_new_tokens=600)
+
+
+def run_streamlit(tiny_model, tmp_path, max_new_tokens: int):
     port = free_port()
     env = dict(os.environ, VLSCOPE_MODEL=str(tiny_model), VLSCOPE_DB=str(tmp_path / "browser.db"),
-               VLSCOPE_MAX_NEW_TOKENS="24")
+               VLSCOPE_MAX_NEW_TOKENS=str(max_new_tokens))
     log = open(tmp_path / "streamlit.log", "w")
     process = subprocess.Popen(
         [sys.executable, "-m", "streamlit", "run", "streamlit_app.py", "--server.port", str(port),
@@ -112,3 +121,33 @@ def test_upload_ask_stream_and_profile(server, images_dir, tmp_path):
             shutil.copy(tmp_path / "profiling.png", target / "profiling.png")
             shutil.copy(tmp_path / "benchmark.png", target / "benchmark.png")
         browser.close()
+
+
+def test_two_sessions_stream_their_answers_at_the_same_time(long_answer_server, tmp_path):
+    """Two people ask at once from their own browser sessions: both answers stream, and their records show they
+    shared decode steps (batches of two) instead of one waiting for the other's whole answer."""
+    if not Path(CHROMIUM).exists():
+        pytest.fail(f"Chromium not found at {CHROMIUM}: install Debian's chromium (see .ci/run)")
+    from playwright.sync_api import expect, sync_playwright
+
+    url, db = long_answer_server
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        pages = [browser.new_context().new_page() for _ in range(2)]
+        for page in pages:
+            page.goto(url, wait_until="domcontentloaded")
+            expect(page.get_by_role("heading", name="Chat")).to_be_visible(timeout=120_000)
+        boxes = [page.get_by_test_id("stChatInputTextArea") for page in pages]
+        for box, text in zip(boxes, ("Write a long story about a cat", "Write a long story about a dog")):
+            box.fill(text)
+        for box in boxes:
+            box.press("Enter")
+        for page in pages:
+            expect(page.get_by_test_id("stChatMessage").nth(1).get_by_text("TTFT")).to_be_visible(timeout=180_000)
+        pages[0].screenshot(path=str(tmp_path / "first.png"))
+        browser.close()
+    records = [r for r in MetricsStore(db).recent(10, include_warmup=False) if r.source == "app"]
+    assert len(records) == 2 and all(r.status == "ok" for r in records)
+    assert all(2 in r.decode_batch_sizes for r in records), [r.decode_batch_sizes[:5] for r in records]
+    first, second = sorted(records, key=lambda r: r.submitted_at)
+    assert second.started_at < first.finished_at  # the second began before the first had answered

@@ -95,7 +95,52 @@ def records_frame(records: list[RequestMetrics]) -> pd.DataFrame:
             "warmup": r.warmup, "dtype": r.dtype, "threads": r.threads, "synthetic": r.synthetic,
             "vision tokens": r.vision_tokens, "prompt tokens": r.prompt_tokens, "output tokens": r.output_tokens,
             "queue wait s": r.queue_wait_s, "TTFT s": r.ttft_s, "tok/s": r.decode_tokens_per_s, "decode GB/s": r.decode_gb_per_s,
-            "total s": r.e2e_s,
+            "batch": (sum(r.decode_batch_sizes) / len(r.decode_batch_sizes)) if r.decode_batch_sizes else None,
+            "paused s": r.paused_s, "total s": r.e2e_s,
             "peak RSS GiB": r.rss_peak_bytes / GIB, "error": r.error,
         })
     return pd.DataFrame(rows)
+
+
+def decode_intervals(records: list[RequestMetrics]) -> list[tuple[float, float, int]]:
+    """(start, end, tokens) of each record's decode, in unix time: from its first token to its end."""
+    spans = []
+    for r in records:
+        if r.ttft_s is None or not r.output_tokens:
+            continue
+        start = r.submitted_at + r.ttft_s
+        spans.append((start, max(start, r.finished_at), r.output_tokens))
+    return spans
+
+
+def concurrency_series(records: list[RequestMetrics], bins: int = 120) -> pd.DataFrame:
+    """Over the records' time span: how many answers were decoding at once, and the tokens per second they made
+    together (each record's tokens spread evenly over its decode)."""
+    spans = decode_intervals(records)
+    if not spans:
+        return pd.DataFrame({"time": [], "active": [], "tokens_per_s": []})
+    first, last = min(s for s, _, _ in spans), max(e for _, e, _ in spans)
+    width = max((last - first) / bins, 0.5)
+    edges = [first + i * width for i in range(int((last - first) / width) + 2)]
+    active, rates = [], []
+    for left in edges:
+        right = left + width
+        overlap = [(min(e, right) - max(s, left), e - s, n) for s, e, n in spans if s < right and e > left]
+        active.append(sum(o for o, _, _ in overlap) / width)
+        rates.append(sum(n * (o / d if d > 0 else 1.0) for o, d, n in overlap) / width)
+    return pd.DataFrame({"time": [dt.datetime.fromtimestamp(t) for t in edges], "active": active,
+                         "tokens_per_s": rates})
+
+
+def concurrency_chart(records: list[RequestMetrics]) -> go.Figure:
+    """Answers decoding at once and the tokens per second they made together, over time."""
+    series = concurrency_series(records)
+    figure = make_subplots(specs=[[{"secondary_y": True}]])
+    figure.add_scatter(name="answers decoding at once", x=series["time"], y=series["active"], mode="lines",
+                       line=dict(shape="hv", color="#4e79a7"), secondary_y=False)
+    figure.add_scatter(name="tokens/s, all answers", x=series["time"], y=series["tokens_per_s"], mode="lines",
+                       line=dict(color="#f28e2b"), secondary_y=True)
+    figure.update_yaxes(title_text="answers at once", secondary_y=False, rangemode="tozero")
+    figure.update_yaxes(title_text="tokens/s", secondary_y=True, rangemode="tozero")
+    figure.update_layout(margin=dict(t=30, b=10), height=320)
+    return figure

@@ -37,7 +37,8 @@ def render_status(loaded: LoadedEngine | None) -> None:
         right.metric("threads", info.threads)
         left.metric("weights", f"{info.weight_bytes / GIB:.2f}G", help="Model weights in memory, GiB")
         right.metric("RSS", f"{current_rss() / GIB:.2f}G", help="This server process's resident memory, GiB")
-        st.caption(f"Queue: {engine.queue_depth} request(s) · loaded in {info.load_seconds:.1f} s")
+        st.caption(f"Queue: {engine.queue_depth} request(s), {engine.active_sequences} of {engine.batch_limit()} "
+                   f"answering together · loaded in {info.load_seconds:.1f} s")
         if info.decode:  # empty for a remote engine
             st.caption(f"Decode: {info.decode}")
         for note in info.notes:
