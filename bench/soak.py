@@ -243,9 +243,14 @@ def soak(model: str, requests: int, clients: int, seconds: float, workdir: Path,
             session.start()
         process = psutil.Process(server.pid)
         keyed = {"Authorization": f"Bearer {KEY}"} if hostile else {}
-        warm = httpx.Client(headers=keyed)
-        for seed in range(3):  # warm the allocator and caches before the memory baseline
-            _one(warm, base, "good", random.Random(seed))
+        # Warm the allocator and caches before the memory baseline, three at once: answers decode together, and a
+        # batch's buffers are part of the steady state.
+        warmers = [threading.Thread(target=_one, args=(httpx.Client(headers=keyed), base, "good", random.Random(seed)))
+                   for seed in range(3)]
+        for warmer in warmers:
+            warmer.start()
+        for warmer in warmers:
+            warmer.join()
         for event in warmed:  # and the UI's modules, loaded by each session's first page and answer
             event.wait(600)
         rss_start = process.memory_info().rss

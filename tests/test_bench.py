@@ -5,6 +5,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from bench.advisor import advise
 from bench.harness import (Case, bench_image, execution_order, plan, reference_result, run_baseline_case,
                           run_engine_case)
@@ -228,3 +230,27 @@ def test_a_record_says_whether_the_engine_changed_since_its_commit(tmp_path):
     assert engine_changed_since(code_commit(tmp_path), tmp_path) is False
     assert "not recorded" in describe({"created": "2026-12-02T10:00:00"}, tmp_path)
     assert engine_changed_since({"commit": "0" * 40}, tmp_path) is None  # a commit this clone lacks
+
+
+def test_load_burst_measures_concurrent_people_here_and_against_another_server(tiny_model, images_dir, tmp_path):
+    """`python -m bench.load`: three people at once with different pictures, against the vlscope it starts and
+    against a second server (as llama-server -np 3 would be): every stream answered in full, the burst's figures."""
+    other, url = start_server(tiny_model, tmp_path / "other.db", tmp_path / "other.log")
+    out = tmp_path / "load.json"
+    try:
+        run = subprocess.run([sys.executable, "-m", "bench.load", "--model", str(tiny_model), "--dtype", "float32",
+                              "--clients", "3", "--max-tokens", "12", "--images", str(images_dir), "--out", str(out),
+                              "--against", f"{url}/v1"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    finally:
+        other.terminate()
+        other.wait(20)
+    assert run.returncode == 0, run.stderr[-3000:]
+    ours, theirs = json.loads(out.read_text())
+    assert theirs["server"] == f"{url}/v1" and ours["server"] != theirs["server"]
+    for burst in (ours, theirs):
+        assert burst["errors"] == 0 and burst["clients"] == 3
+        assert [stream["tokens"] for stream in burst["streams"]] == [12, 12, 12]
+        assert 0 < burst["ttft_p50_s"] <= burst["ttft_max_s"] <= burst["e2e_max_s"] <= burst["wall_s"]
+        assert burst["tokens_per_s"] == pytest.approx(36 / burst["wall_s"])
+        assert burst["longest_pause_s"] >= 0
+    assert "| people |" in out.with_suffix(".md").read_text()
