@@ -46,6 +46,7 @@ def cmd_ask(args) -> int:
         )
     except ValueError as exc:
         return _fail(exc)
+    engine = None
     try:
         engine = Engine(config, progress=None if args.json else _progress)
         request = ChatRequest(prompt=args.prompt, images=tuple(args.image or ()), source="cli",
@@ -61,6 +62,11 @@ def cmd_ask(args) -> int:
         print(file=out)
     except VlscopeError as exc:
         return _fail(exc)
+    finally:
+        # The worker and compute threads finish their last step before the interpreter does: PyTorch's threads
+        # torn down under a running step abort the process.
+        if engine is not None:
+            engine.close()
     if args.json:
         record = metrics.to_dict()
         record["answer"] = "".join(answer)

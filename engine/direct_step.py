@@ -10,10 +10,9 @@ widened for single_query_attention's float32 products at every step).
 A token is cut at its attentions into 29 segments (the head, then from each attention to the next: o_proj, MLP,
 the next layer's norms, projections and rotary). `compile()` hands each segment to inductor with the weights frozen
 as constants, so its products run on inductor's CPP GEMM templates and its small operations fuse; attention stays
-eager, over the used length of the buffers. transformers' forward compiled over a StaticCache instead (the former
-step) attended over the whole 2,048-position cache every token: inductor widened and transposed each layer's full
-bfloat16 keys (2.6 ms a layer), 196 against 302 ms/token eager at full size. One code object per segment: Dynamo
-caches compiled code by code object, and 29 entries on one would be searched in turn at every call.
+eager, over the used length of the buffers. Compiling transformers' forward over a StaticCache instead attended
+over the whole cache every token (figures in docs/performance.md). One code object per segment: Dynamo caches
+compiled code by code object, and 29 entries on one would be searched in turn at every call.
 
 Images stay with transformers: a prompt's vision tokens are prefilled by its forward into its DynamicCache, and the
 prefix cache keeps DynamicCaches. `take` copies a prefilled cache in, `extend` prefills text tokens after it (a

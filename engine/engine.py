@@ -35,7 +35,7 @@ from .images import load_request_images
 from .inputs import check_memory, ocr_pictures, prepare_input
 from .memory import back_with_huge_pages
 from .metrics import RequestMetrics, PeakRss, current_rss
-from .output import Detokenizer, SequenceOutput, StopStrings  # noqa: F401 (Detokenizer, StopStrings: re-exported)
+from .output import SequenceOutput
 from .system import memory_read_gb_per_s
 from .model_loading import LoadedModel, ProgressCallback, load_model, may_compile, pack_remaining_linears
 from .prefix_cache import CachedSequence, PrefixCache, image_spans

@@ -25,8 +25,7 @@ from torch import nn
 
 KERNEL_DTYPE = torch.bfloat16  # activations of CompactLinear's decode-sized products
 # Above this many rows (prefill) CompactLinear widens its weight and runs one matmul in the compute dtype: the
-# small-product kernels are built for matrix-vector work (measured with the former int8 kernel: 28 layers x 210
-# rows, 553 ms against 208 ms for bfloat16 plus the widening).
+# small-product kernels are built for matrix-vector work (docs/performance.md has the figures).
 DIRECT_ROWS = 16
 
 
