@@ -155,6 +155,11 @@ def test_settings_change_reloads_the_model(app_env):
     at = start()  # a new session sees the new settings too
     assert {m.label: m.value for m in at.sidebar.metric}["dtype"] == "bfloat16"
     assert any("of 2 answering together" in caption.value for caption in at.sidebar.caption)
+    # one plain line for a room; the technical reason waits in an expander
+    line = next(caption.value for caption in at.sidebar.caption if caption.value.startswith("Decode: "))
+    assert line == "Decode: eager" or (line.startswith("Decode: eager, ") and line.endswith(" tok/s on the last answer"))
+    (details,) = [e for e in at.sidebar.expander if e.label == "How decode runs here"]
+    assert any("direct decode step" in caption.value for caption in details.caption)
 
 
 def test_unreachable_hub_model_falls_back_to_the_skeleton(app_env, tiny_skeleton, monkeypatch):

@@ -254,3 +254,16 @@ def test_load_burst_measures_concurrent_people_here_and_against_another_server(t
         assert burst["tokens_per_s"] == pytest.approx(36 / burst["wall_s"])
         assert burst["longest_pause_s"] >= 0
     assert "| people |" in out.with_suffix(".md").read_text()
+
+
+def test_a_committed_run_renders_as_html(tmp_path):
+    """Committed runs keep JSON and markdown; `python -m bench.render` draws the HTML report from the JSON."""
+    source = ROOT / "docs" / "bench" / "epyc-avx512-bf16" / "quick" / "bench.json"
+    out = tmp_path / "report.html"
+    run = subprocess.run([sys.executable, "-m", "bench.render", str(source), "--out", str(out)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    html = out.read_text()
+    first_case = json.loads(source.read_text())["cases"][0]["case"]["name"]
+    assert html.lower().startswith("<!doctype html>") and "plotly" in html and first_case in html
+    assert not list((ROOT / "docs").rglob("*.html"))  # none committed: each would carry all of plotly.js

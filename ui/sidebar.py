@@ -40,8 +40,17 @@ def render_status(loaded: LoadedEngine | None) -> None:
         st.caption(f"Queue: {engine.queue_depth} request(s), {engine.active_sequences} of {engine.batch_limit()} "
                    f"answering together · loaded in {info.load_seconds:.1f} s")
         if info.decode:  # empty for a remote engine
-            st.caption(f"Decode: {info.decode}")
-        for note in info.notes:
-            st.caption(f":material/info: {note}")
+            st.caption(decode_line(info.decode, engine.store.recent(1, include_warmup=False)))
+            with st.expander("How decode runs here"):
+                st.caption(info.decode)
+                for note in info.notes:
+                    st.caption(f":material/info: {note}")
         if engine.store.last_error:
             st.error(f"Metrics are not being saved: {engine.store.last_error}")
+
+
+def decode_line(decode: str, latest: list) -> str:
+    """One plain line for a room: compiled or eager, and the last answer's speed."""
+    kind = "compiled" if decode.startswith("compiled") else "eager"
+    rate = latest[0].decode_tokens_per_s if latest and latest[0].decode_tokens_per_s else None
+    return f"Decode: {kind}, {rate:.1f} tok/s on the last answer" if rate else f"Decode: {kind}"
