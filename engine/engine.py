@@ -1,4 +1,5 @@
-"""The Engine: the model loaded once, a queue in front of it, and one streaming entry point.
+"""The Engine: the model loaded once, a scheduler in front of it that decodes the running requests together, and
+one streaming entry point.
 
     engine = Engine(EngineConfig(model="models/qwen3-vl-2b-skeleton"))
     for event in engine.stream(ChatRequest(prompt="Describe", images=("cat.png",))):

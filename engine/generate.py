@@ -1,5 +1,6 @@
 """The model's stages, one function each, in the order a request meets them:
-encode_images -> prefill -> decode_one_token (repeated by decode_n_tokens) -> sample.
+encode_images (or encode_images_in_pieces) -> prefill -> decode_one_token, or decode_batch for several sequences
+through the direct step -> a Sampler.
 
 Positions are built here rather than left to the model, so no state is kept inside the model between calls.
 Qwen3-VL's rotary positions have four rows: the plain text position, then the 3D (time, height, width) ones.
@@ -263,15 +264,3 @@ class Sampler:
                 zip(top.indices.tolist(), top.values.tolist())) if top is not None else ()))
         self.counts[token] = self.counts.get(token, 0) + 1
         return token
-
-
-def decode_n_tokens(model, state: DecodeState, first_token: int, count: int, pick, stop_ids, should_stop):
-    """Yield up to `count` tokens after first_token, one decode step each, chosen by `pick(logits)` (a Sampler);
-    stops on an end token or should_stop()."""
-    token = first_token
-    for _ in range(count):
-        if token in stop_ids or should_stop():
-            return
-        logits = decode_one_token(model, state, token)
-        token = pick(logits)
-        yield token

@@ -9,7 +9,7 @@ import torch
 
 from engine import (Busy, ChatRequest, Engine, EngineConfig, InvalidImage, MetricsStore, ModelUnavailable,
                     PromptTooLong, Queued, RequestMetrics, StageStarted, TextChunk, Turn)
-from engine.generate import Sampler, decode_n_tokens, encode_images, prefill
+from engine.generate import Sampler, decode_one_token, encode_images, prefill
 from engine.images import fit_to_budget, load_image
 from engine.metrics import PeakRss
 from engine.fusion import StackedPart, stack_projections_, stacked_products
@@ -42,8 +42,9 @@ def test_stage_loop_matches_transformers_generate(tiny_model, images_dir, kv_cac
     with torch.inference_mode():
         vision = encode_images(loaded.model, patches)
         logits, state = prefill(loaded.model, prompt, vision, patches.image_grid_thw, kv_cache)
-        first = Sampler()(logits)
-        ours = [first] + list(decode_n_tokens(loaded.model, state, first, 11, Sampler(), set(), lambda: False))
+        ours = [Sampler()(logits)]
+        for _ in range(11):
+            ours.append(Sampler()(decode_one_token(loaded.model, state, ours[-1])))
         reference = loaded.model.generate(
             input_ids=prompt.input_ids, attention_mask=torch.ones_like(prompt.input_ids),
             mm_token_type_ids=prompt.mm_token_type_ids, pixel_values=patches.pixel_values,
