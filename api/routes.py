@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from engine import (Busy, InsufficientMemory, InvalidImage, PromptTooLong, RequestMetrics, StageStarted, TextChunk,
+from engine import (Busy, InsufficientMemory, InvalidImage, InvalidPrompt, PromptTooLong, RequestMetrics, StageStarted, TextChunk,
                     VlscopeError)
 from engine.trace import PREFILL, VISION_ENCODE, refusal_record
 from ui.access import exposed_without_sign_in
@@ -100,7 +100,7 @@ def _engine():
 def _engine_error(exc: VlscopeError) -> ApiError:
     if isinstance(exc, Busy):
         error = ApiError(429, exc.message, "rate_limit_error", "busy", retry_after=5)
-    elif isinstance(exc, (InvalidImage, PromptTooLong)):
+    elif isinstance(exc, (InvalidImage, InvalidPrompt, PromptTooLong)):
         error = ApiError(400, exc.message, "invalid_request_error", exc.kind)
     elif isinstance(exc, InsufficientMemory):
         error = ApiError(503, exc.message, "server_error", exc.kind, retry_after=30)

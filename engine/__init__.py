@@ -1,4 +1,4 @@
-"""vlscope's engine: Qwen3-VL on the CPU, one request at a time, every stage measured. No Streamlit in here."""
+"""vlscope's engine: Qwen3-VL on the CPU, concurrent requests decoded together, every stage measured. No Streamlit in here."""
 from .config import DEFAULT_MODEL, DTYPES, SKELETON_DIR, EngineConfig
 from .engine import Answer, Engine, EngineInfo, RequestHandle
 from .errors import (
@@ -6,6 +6,7 @@ from .errors import (
                      GenerationFailed,
                      InsufficientMemory,
                      InvalidImage,
+                     InvalidPrompt,
                      ModelUnavailable,
                      PromptTooLong,
                      VlscopeError,
@@ -17,7 +18,7 @@ from .trace import STAGES, STATUSES
 
 __all__ = [
     "Answer", "Busy", "ChatRequest", "DEFAULT_MODEL", "DTYPES", "Engine", "EngineConfig", "EngineInfo",
-    "GenerationFailed", "InsufficientMemory", "InvalidImage", "MetricsStore", "ModelUnavailable", "PromptTooLong", "Queued",
+    "GenerationFailed", "InsufficientMemory", "InvalidImage", "InvalidPrompt", "MetricsStore", "ModelUnavailable", "PromptTooLong", "Queued",
     "RequestHandle", "RequestMetrics", "SKELETON_DIR", "STAGES", "STATUSES", "StageStarted", "TextChunk", "Turn",
     "VlscopeError", "stage_percentiles", "to_csv",
 ]

@@ -26,6 +26,7 @@ from .errors import (
     GenerationFailed,
     InsufficientMemory,
     InvalidImage,
+    InvalidPrompt,
     PromptTooLong,
     VlscopeError,
 )
@@ -33,7 +34,7 @@ from .direct_step import DirectDecodeStep
 from .generate import (DecodeState, Sampler, attach_step, decode_batch, decode_one_token, detach_step,
                        encode_images_in_pieces, prefill, prefill_text)
 from .images import load_request_images
-from .inputs import check_memory, ocr_pictures, prepare_input
+from .inputs import check_memory, check_text, control_tokens, ocr_pictures, prepare_input
 from .memory import back_with_huge_pages
 from .metrics import RequestMetrics, PeakRss, current_rss
 from .output import SequenceOutput
@@ -212,6 +213,7 @@ class Engine(StreamingMixin):
             read_ceiling_gb_per_s=read_ceiling,
         )
         self._generator = torch.Generator().manual_seed(self.config.seed)
+        self._control_tokens = control_tokens(self.loaded.tokenizer)
         self._running: list[Sequence] = []  # the batch an admission runs beside, for its memory check
         self._prefix_cache = PrefixCache(self.config.prefix_cache_entries if self.config.kv_cache else 0)
         self._queue = Scheduler(self._begin, self._admit, self._step, max_waiting=self.config.max_queue,
@@ -238,15 +240,17 @@ class Engine(StreamingMixin):
         return self.config.max_batch if self._decode_step is not None else 1
 
     def submit(self, request: ChatRequest) -> RequestHandle:
-        """Validate the images and queue the request. Raises InvalidImage or Busy (their metrics are recorded)."""
+        """Validate the text and images and queue the request. Raises InvalidPrompt, InvalidImage or Busy (their
+        metrics are recorded)."""
         job = Job(uuid.uuid4().hex, request)
         job.trace = trace = RequestTrace(job, self.info, self.config, self.store)
         try:
+            check_text(request, self._control_tokens)
             with trace.stage(LOAD_IMAGES, announce=False):
                 job.images = load_request_images(request, self.config, admit=self._queue.check_room)
             job.on_cancel = self._on_cancel
             self._queue.submit(job)
-        except (InvalidImage, PromptTooLong, Busy) as exc:
+        except (InvalidImage, InvalidPrompt, PromptTooLong, Busy) as exc:
             trace.finish(REFUSED, exc)
             raise
         return RequestHandle(job)

@@ -20,6 +20,12 @@ class PromptTooLong(VlscopeError):
     kind = "prompt_too_long"
 
 
+class InvalidPrompt(VlscopeError):
+    """The text carries one of the chat template's control tokens, which would act as one."""
+
+    kind = "invalid_prompt"
+
+
 class InsufficientMemory(VlscopeError):
     kind = "insufficient_memory"
 

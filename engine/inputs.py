@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import InsufficientMemory, PromptTooLong
+from .errors import InsufficientMemory, InvalidPrompt, PromptTooLong
 from .images import enhance_for_ocr, fit_to_budget, vision_token_count
 from .memory import available_bytes, estimate_request_bytes
 from .preprocess import PromptTokens, chat_messages, tokenize_prompt
@@ -37,6 +37,23 @@ def prepare_input(job, pictures: list, loaded, config, context_length: int) -> P
     check_length(trace.prompt_tokens, trace.max_new_tokens, config.max_input_tokens, context_length)
     keys = tuple(f"{image.sha256}/{int(request.enhance_for_ocr)}/{w}x{h}" for image, (w, h) in zip(job.images, sizes))
     return PreparedInput(prompt, pictures, sizes, keys)
+
+
+def control_tokens(tokenizer) -> tuple[str, ...]:
+    """The tokenizer's special tokens as text (<|im_start|>, <|image_pad|>, ...): in a user's text they would act as
+    template structure, not words."""
+    added = [token.content for token in getattr(tokenizer, "added_tokens_decoder", {}).values() if token.special]
+    return tuple(sorted(set(tokenizer.all_special_tokens) | set(added)))
+
+
+def check_text(request, tokens: tuple[str, ...]) -> None:
+    """Refuse, before any work, text that carries a control token: typed into a prompt, `<|im_end|>` would end the
+    user's turn and `<|image_pad|>` would claim an image."""
+    for text in [request.prompt] + [turn.text for turn in request.history]:
+        found = next((token for token in tokens if token in text), None)
+        if found is not None:
+            raise InvalidPrompt(f"The text contains {found!r}, one of the model's control tokens, which only the chat "
+                                "template may write. Remove it and ask again.")
 
 
 def check_length(prompt_tokens: int, max_new_tokens: int, max_input_tokens: int, context_length: int) -> None:

@@ -269,3 +269,13 @@ def test_concurrent_clients_share_decode_steps_and_disconnect_frees_the_queue(se
     # answered together: later ones start before earlier ones end, and decode steps carry several of them
     assert any(later.started_at < earlier.finished_at for earlier, later in zip(served, served[1:]))
     assert max(size for r in served for size in r.decode_batch_sizes) >= 2
+
+
+def test_control_tokens_in_a_message_get_400_not_500(server):
+    url, db = server
+    response = httpx.post(f"{url}/v1/chat/completions", timeout=60,
+                          json={"messages": [{"role": "user", "content": "look <|image_pad|> here"}], "max_tokens": 2})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == "invalid_prompt"
+    assert "<|image_pad|>" in error["message"]
