@@ -13,7 +13,6 @@ from .preprocess import PromptTokens, chat_messages, tokenize_prompt
 @dataclass
 class PreparedInput:
     prompt: PromptTokens
-    pictures: list  # PIL images, in conversation order (OCR-enhanced when asked)
     sizes: list[tuple[int, int]]  # each picture's size within the image token budget
     keys: tuple[str, ...]  # each picture's identity for the prefix cache: content hash, enhancement, size
 
@@ -36,7 +35,7 @@ def prepare_input(job, pictures: list, loaded, config, context_length: int) -> P
     trace.prompt_tokens = prompt.input_ids.shape[1]
     check_length(trace.prompt_tokens, trace.max_new_tokens, config.max_input_tokens, context_length)
     keys = tuple(f"{image.sha256}/{int(request.enhance_for_ocr)}/{w}x{h}" for image, (w, h) in zip(job.images, sizes))
-    return PreparedInput(prompt, pictures, sizes, keys)
+    return PreparedInput(prompt, sizes, keys)
 
 
 def control_tokens(tokenizer) -> tuple[str, ...]:

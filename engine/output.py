@@ -17,12 +17,10 @@ class Detokenizer:
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        self.tokens: list[int] = []
         self.text = ""
         self._pending: list[int] = []
 
     def push(self, token: int) -> str:
-        self.tokens.append(token)
         self._pending.append(token)
         piece = self.tokenizer.decode(self._pending, skip_special_tokens=True)
         if piece.endswith("\ufffd") and len(self._pending) < MAX_PENDING_TOKENS:

@@ -69,7 +69,6 @@ class Scheduler(Generic[S]):
         self._admitting = None  # the admission under way: its pieces alternate with decode steps
         self._condition = threading.Condition()
         self._closed = False
-        self._failed = False  # the last engine call raised past the engine's own handling
         self._worker = threading.Thread(target=self._serve, name="vlscope-worker", daemon=True)
         self._worker.start()
 
@@ -136,36 +135,32 @@ class Scheduler(Generic[S]):
                 if self._closed and not self._running and self._admitting is None:
                     return
                 if self._admitting is None and self._waiting and not self._full() and not self._closed:
-                    self._admitting = self._guarded(self._begin, self._waiting.popleft())
-                    self._failed = False
+                    _, self._admitting = self._guarded(self._begin, self._waiting.popleft())
                     self._tell_positions()
                 admission, running = self._admitting, list(self._running)
             if admission is not None:
-                self._guarded(self._admit, admission, running)
-                finished = admission.done or self._failed
+                ok, _ = self._guarded(self._admit, admission, running)
                 with self._condition:
-                    if finished:
+                    if admission.done or not ok:
                         self._admitting = None
-                        if admission.sequence is not None and not self._failed:
+                        if admission.sequence is not None and ok:
                             self._running.append(admission.sequence)
                         self._tell_positions()
-                self._failed = False
             if running:
                 # A step that failed outside the engine's own handling drops its sequences rather than retry forever.
-                ended = self._guarded(self._step, running)
+                ok, ended = self._guarded(self._step, running)
                 with self._condition:
-                    ended = running if self._failed else ended
+                    ended = ended if ok else running
                     self._running = [sequence for sequence in self._running if sequence not in ended]
                     self._tell_positions()
-                self._failed = False
 
-    def _guarded(self, call, *arguments):
+    def _guarded(self, call, *arguments) -> tuple[bool, object]:
+        """(True, what call returned), or (False, None) when it raised: the worker must outlive any request."""
         try:
-            return call(*arguments)
-        except BaseException:  # the worker must outlive any request
+            return True, call(*arguments)
+        except BaseException:
             log.exception("the scheduler's %s failed outside its own error handling", getattr(call, "__name__", call))
-            self._failed = True
-            return None
+            return False, None
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Stop taking requests; waiting ones are left to their callers' cancel, running ones are cancelled (their
