@@ -29,12 +29,24 @@ if __name__ == "__main__":
 else:
     # Imported by `streamlit run` (which finds this App and serves it) or by uvicorn: the server itself, with the
     # API's routes beside the UI and the model loading at start-up.
+    from contextlib import asynccontextmanager
+
     from starlette.middleware import Middleware
 
     from api.guard import ServerGuard
-    from api.routes import lifespan, refuse, routes
-    from ui.access import session_signed_in
-    from ui.engine_resource import server_settings
+    from api.routes import lifespan as api_lifespan
+    from api.routes import refuse, routes
+    from server.signed_in import exposed_without_sign_in, session_signed_in
+    from server.slot import server_settings
+
+    @asynccontextmanager
+    async def lifespan(app):
+        if exposed_without_sign_in():
+            logging.getLogger("vlscope").warning(
+                "vlscope is open: it may listen beyond loopback and neither API keys nor an app sign-in are set. "
+                "Anyone who reaches this port can use the model. See README, Hosting.")
+        async with api_lifespan(app):
+            yield
 
     app = st.App(__file__, routes=routes, lifespan=lifespan, middleware=[
         Middleware(ServerGuard, settings=server_settings, signed_in=session_signed_in, refuse=refuse)])

@@ -1,9 +1,11 @@
 """What the server checks before any route runs: that API calls name one of this server's hosts (a DNS rebinding
-guard), that browsers call it only from allowed origins, and that uploads to the app wait for sign-in.
+guard), that browsers call it only from allowed origins, that they carry one of the API keys when keys are set,
+and that uploads to the app wait for sign-in.
 
 An ASGI middleware around the whole st.App, so it sees Streamlit's routes (the upload endpoint) as well as ours."""
 from __future__ import annotations
 
+import hmac
 import ipaddress
 import socket
 from urllib.parse import urlparse
@@ -55,6 +57,16 @@ def origin_allowed(origin: str, host_header: str, allowed: tuple[str, ...]) -> b
         o.rstrip("/") for o in allowed}
 
 
+def authorized(headers: Headers, keys: tuple[str, ...]) -> bool:
+    """No keys set, or `Authorization: Bearer <one of them>`."""
+    if not keys:
+        return True
+    header = headers.get("authorization", "")
+    token = header[7:] if header.lower().startswith("bearer ") else ""
+    # Compared as bytes: compare_digest refuses non-ASCII str, and a key is never a reason for a 500.
+    return any(hmac.compare_digest(token.encode("utf-8", "surrogateescape"), key.encode()) for key in keys)
+
+
 class ServerGuard:
     """ASGI middleware. `settings()` gives the ServerSettings in force; `signed_in(session_id)` whether an app
     session has signed in (None when the app has no sign-in); `refuse(error, path)` records a refusal."""
@@ -80,8 +92,12 @@ class ServerGuard:
                                       "VLSCOPE_ALLOWED_ORIGINS", "permission_error", "origin_not_allowed")
             elif headers.get("origin") and scope["method"] == "OPTIONS":
                 return await _preflight(headers.get("origin"), send)
-            elif headers.get("origin"):
-                send = _with_cors(send, headers.get("origin"))
+            else:
+                if headers.get("origin"):  # a browser may read the answer, a 401 included
+                    send = _with_cors(send, headers.get("origin"))
+                if not authorized(headers, settings.api_keys):
+                    error = ApiError(401, "a valid API key is required (Authorization: Bearer <key>)",
+                                     "authentication_error", "invalid_api_key")
         elif path.startswith(UPLOAD_PREFIX) and scope["method"] in ("PUT", "POST"):
             session_id = path[len(UPLOAD_PREFIX):].split("/", 1)[0]
             if self.signed_in(session_id) is False:

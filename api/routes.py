@@ -1,26 +1,28 @@
-"""Starlette routes of the OpenAI-compatible API. They share the UI's engine: one model in memory per process."""
+"""Starlette routes of the OpenAI-compatible API. They share the UI's engine: one model in memory per process.
+API keys are checked before any route runs, by the server guard (api/guard.py)."""
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import threading
 import time
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Callable
 
 import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from engine import (Busy, InsufficientMemory, InvalidImage, InvalidPrompt, PromptTooLong, RequestMetrics, StageStarted, TextChunk,
-                    VlscopeError)
+from engine import (Busy, ChatRequest, InsufficientMemory, InvalidImage, InvalidPrompt, PromptTooLong, RequestHandle,
+                    RequestMetrics, ServingEngine, StageStarted, TextChunk, VlscopeError)
 from engine.trace import PREFILL, VISION_ENCODE, refusal_record
-from ui.access import exposed_without_sign_in
-from ui.engine_resource import engine_slot, ensure_loaded, get_store, server_settings, shutdown
+from server.slot import engine_slot, ensure_loaded, get_store, server_settings, shutdown
 
 from . import prometheus
+from .guard import authorized
 from .image_fetch import ImageFetcher
 from .openai_format import (ApiError, chunk, completion, finish_reason, logprobs_content, model_entry, public_metrics,
                             served_model_name, stream_settings, to_chat_request, usage)
@@ -35,9 +37,6 @@ async def lifespan(app):
     """The server's life: the model loads at start-up, in the background, so the API is ready without anyone
     opening the UI first; the engine closes at shutdown."""
     threading.Thread(target=ensure_loaded, name="vlscope-load", daemon=True).start()
-    if exposed_without_sign_in():
-        log.warning("vlscope is open: it may listen beyond loopback and neither API keys nor an app sign-in are "
-                    "set. Anyone who reaches this port can use the model. See README, Hosting.")
     yield
     shutdown()
 
@@ -69,25 +68,13 @@ def _request_from_body(body: dict, engine):
     return to_chat_request(body, fetcher, engine.config.max_new_tokens, settings.api_allow_ignore_eos)
 
 
-def _check_key(request: Request) -> None:
-    keys = server_settings().api_keys
-    if not keys:
-        return
-    header = request.headers.get("authorization", "")
-    token = header[7:] if header.lower().startswith("bearer ") else ""
-    # Compared as bytes: compare_digest refuses non-ASCII str, and a key is never a reason for a 500.
-    if not any(hmac.compare_digest(token.encode("utf-8", "surrogateescape"), key.encode()) for key in keys):
-        raise ApiError(401, "a valid API key is required (Authorization: Bearer <key>)", "authentication_error",
-                       "invalid_api_key")
-
-
 def _start_loading() -> None:
     slot = engine_slot()
     if not slot.ready and not slot.loading and slot.error is None:
         threading.Thread(target=ensure_loaded, name="vlscope-load", daemon=True).start()
 
 
-def _engine():
+def _engine() -> ServingEngine:
     slot = engine_slot()
     if slot.ready:
         return slot.loaded.engine
@@ -162,9 +149,8 @@ async def _events(handle, request: Request, watch: ClientWatch | None = None):
         handle.cancel()  # no-op once finished; stops generation if the client left mid-stream
 
 
-def served_name(engine) -> str:
-    return served_model_name(getattr(engine, "model_name", None) or engine.info.model,
-                             engine.config.served_model_name)
+def served_name(engine: ServingEngine) -> str:
+    return served_model_name(engine.model_name, engine.config.served_model_name)
 
 
 def _unknown_model(asked: str, name: str) -> ApiError:
@@ -180,56 +166,80 @@ def _check_model(engine, body: dict) -> str:
     return name
 
 
+@dataclass
+class ChatCall:
+    """A parsed /v1/chat/completions call: what to run and how to answer it."""
+    engine: ServingEngine
+    chat: ChatRequest
+    model: str  # the name the answer carries
+    stream: bool
+    include_usage: bool
+    token_text: Callable[[int], str] | None  # how a token id reads, for logprobs; None when none were asked
+
+
 async def chat_completions(request: Request) -> Response:
     try:
-        _check_key(request)
-        if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
-            raise ApiError(415, "send the request body as JSON, with Content-Type: application/json",
-                           code="unsupported_media_type")
-        body = await _read_json(request)
-        engine = _engine()
-        if not isinstance(body, dict):
-            raise ApiError(400, "the request body must be a JSON object")
-        model = _check_model(engine, body)
-        stream, include_usage = stream_settings(body)
-        chat = await anyio.to_thread.run_sync(_request_from_body, body, engine, limiter=FETCH_LIMITER)
-        token_text = _token_text(engine, chat)
-        try:
-            handle = await anyio.to_thread.run_sync(engine.submit, chat)
-        except VlscopeError as exc:
-            raise _engine_error(exc) from None
-        if stream:
-            watch = ClientWatch()
-            events = _events(handle, request, watch)
-            # Hold the 200 until the prompt has passed the engine's checks, so a too-long prompt is a plain 400.
-            early = []
-            try:
-                async for event in events:
-                    early.append(event)
-                    if isinstance(event, (TextChunk, RequestMetrics)) or (
-                            isinstance(event, StageStarted) and event.name in (VISION_ENCODE, PREFILL)):
-                        break
-            except VlscopeError as exc:
-                raise _engine_error(exc) from None
-            watch.active = False
-            return StreamingResponse(_sse(handle, early, events, model, include_usage, token_text),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        parts, metrics, logprobs = [], None, []
-        try:
-            async for event in _events(handle, request):
-                if isinstance(event, TextChunk):
-                    parts.append(event.text)
-                    logprobs += event.logprobs
-                elif isinstance(event, RequestMetrics):
-                    metrics = event
-        except VlscopeError as exc:
-            raise _engine_error(exc) from None
-        if metrics is None:  # the client went away; nobody reads this
-            return Response(status_code=499)
-        return JSONResponse(completion(model, "".join(parts), metrics,
-                                       logprobs_content(logprobs, token_text) if token_text else None))
+        call = await _parse(request)
+        handle = await _submit(call)
+        return await (_emit_stream if call.stream else _emit_completion)(call, handle, request)
     except ApiError as error:
         return await refuse(error)
+
+
+async def _parse(request: Request) -> ChatCall:
+    if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
+        raise ApiError(415, "send the request body as JSON, with Content-Type: application/json",
+                       code="unsupported_media_type")
+    body = await _read_json(request)
+    engine = _engine()
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    model = _check_model(engine, body)
+    stream, include_usage = stream_settings(body)
+    chat = await anyio.to_thread.run_sync(_request_from_body, body, engine, limiter=FETCH_LIMITER)
+    return ChatCall(engine, chat, model, stream, include_usage, _token_text(engine, chat))
+
+
+async def _submit(call: ChatCall) -> RequestHandle:
+    try:
+        return await anyio.to_thread.run_sync(call.engine.submit, call.chat)
+    except VlscopeError as exc:
+        raise _engine_error(exc) from None
+
+
+async def _emit_stream(call: ChatCall, handle: RequestHandle, request: Request) -> Response:
+    watch = ClientWatch()
+    events = _events(handle, request, watch)
+    # Hold the 200 until the prompt has passed the engine's checks, so a too-long prompt is a plain 400.
+    early = []
+    try:
+        async for event in events:
+            early.append(event)
+            if isinstance(event, (TextChunk, RequestMetrics)) or (
+                    isinstance(event, StageStarted) and event.name in (VISION_ENCODE, PREFILL)):
+                break
+    except VlscopeError as exc:
+        raise _engine_error(exc) from None
+    watch.active = False
+    return StreamingResponse(_sse(handle, early, events, call.model, call.include_usage, call.token_text),
+                             media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+async def _emit_completion(call: ChatCall, handle: RequestHandle, request: Request) -> Response:
+    parts, metrics, logprobs = [], None, []
+    try:
+        async for event in _events(handle, request):
+            if isinstance(event, TextChunk):
+                parts.append(event.text)
+                logprobs += event.logprobs
+            elif isinstance(event, RequestMetrics):
+                metrics = event
+    except VlscopeError as exc:
+        raise _engine_error(exc) from None
+    if metrics is None:  # the client went away; nobody reads this
+        return Response(status_code=499)
+    return JSONResponse(completion(call.model, "".join(parts), metrics,
+                                   logprobs_content(logprobs, call.token_text) if call.token_text else None))
 
 
 async def _chain(first: list, rest):
@@ -239,15 +249,14 @@ async def _chain(first: list, rest):
         yield item
 
 
-def _token_text(engine, chat):
+def _token_text(engine: ServingEngine, chat: ChatRequest) -> Callable[[int], str] | None:
     """How a token id reads, for logprobs; None when the request asked for none. A remote engine cannot give them."""
     if chat.top_logprobs is None:
         return None
-    loaded = getattr(engine, "loaded", None)
-    if loaded is None:
+    if not engine.serves_logprobs:
         raise ApiError(400, "logprobs are not available through a remote backend", code="unsupported_parameter",
                        param="logprobs")
-    return lambda token: loaded.tokenizer.decode([token])
+    return engine.token_text
 
 
 async def _sse(handle, early: list, events, model: str, include_usage: bool, token_text=None):
@@ -282,16 +291,11 @@ def _model_name() -> str:
 
 
 async def models(request: Request) -> Response:
-    try:
-        _check_key(request)
-    except ApiError as error:
-        return await refuse(error)
     return JSONResponse({"object": "list", "data": [model_entry(_model_name(), STARTED)]})
 
 
 async def model(request: Request) -> Response:
     try:
-        _check_key(request)
         name, asked = _model_name(), request.path_params["model"]
         if asked != name:
             raise _unknown_model(asked, name)
@@ -310,18 +314,10 @@ async def method_not_allowed(request: Request) -> Response:
                                    code="method_not_allowed"))
 
 
-def _authorized(request: Request) -> bool:
-    try:
-        _check_key(request)
-        return True
-    except ApiError:
-        return False
-
-
 async def health(request: Request) -> Response:
     """Liveness for anyone; with API keys set, the details (model, queue, load error) only for a valid key."""
     slot = engine_slot()
-    details = _authorized(request)
+    details = authorized(request.headers, server_settings().api_keys)
     if slot.ready:
         engine = slot.loaded.engine
         body = {"status": "ready", "model": served_name(engine), "synthetic": engine.info.synthetic,
@@ -336,10 +332,6 @@ async def health(request: Request) -> Response:
 
 
 async def metrics(request: Request) -> Response:
-    try:
-        _check_key(request)
-    except ApiError as error:
-        return await refuse(error)
     slot = engine_slot()
     engine = slot.loaded.engine if slot.ready else None
     text = await anyio.to_thread.run_sync(lambda: prometheus.render(

@@ -13,12 +13,13 @@ from .errors import (
 )
 from .metrics import RequestMetrics
 from .request import ChatRequest, Queued, StageStarted, TextChunk, Turn
+from .serving import ServingEngine
 from .store import MetricsStore, stage_percentiles, to_csv
 from .trace import STAGES, STATUSES
 
 __all__ = [
     "Answer", "Busy", "ChatRequest", "DEFAULT_MODEL", "DTYPES", "Engine", "EngineConfig", "EngineInfo",
     "GenerationFailed", "InsufficientMemory", "InvalidImage", "InvalidPrompt", "MetricsStore", "ModelUnavailable", "PromptTooLong", "Queued",
-    "RequestHandle", "RequestMetrics", "SKELETON_DIR", "STAGES", "STATUSES", "StageStarted", "TextChunk", "Turn",
+    "RequestHandle", "RequestMetrics", "SKELETON_DIR", "ServingEngine", "STAGES", "STATUSES", "StageStarted", "TextChunk", "Turn",
     "VlscopeError", "stage_percentiles", "to_csv",
 ]

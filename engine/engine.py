@@ -225,6 +225,15 @@ class Engine(StreamingMixin):
 
     # ---- public API -------------------------------------------------------------------------------------------
 
+    serves_logprobs = True
+
+    @property
+    def model_name(self) -> str:
+        return self.info.model
+
+    def token_text(self, token: int) -> str:
+        return self.loaded.tokenizer.decode([token])
+
     @property
     def queue_depth(self) -> int:
         return self._queue.depth

@@ -65,6 +65,11 @@ class RemoteEngine(StreamingMixin):
                                threads=0, weight_bytes=0, load_seconds=time.perf_counter() - started,
                                context_length=262144, compute_dtype=None)
 
+    serves_logprobs = False
+
+    def token_text(self, token: int) -> str:
+        raise GenerationFailed("a remote backend's token ids cannot be read here")
+
     def _headers(self) -> dict:
         return {"Authorization": f"Bearer {self.config.remote_api_key}"} if self.config.remote_api_key else {}
 

@@ -9,7 +9,7 @@ from engine.trace import REFUSED
 from engine.system import ISA_FLAGS, system_report
 from ui.charts import (concurrency_chart, label, latency_over_time, records_frame, rss_chart, server_stages, stage_bars,
                        token_latency_chart)
-from ui.engine_resource import engine_slot, get_store
+from server.slot import engine_slot, get_store
 
 WINDOWS = {"last 15 minutes": 15 * 60, "last hour": 3600, "last 24 hours": 86400, "all": None}
 GIB = 1 << 30

@@ -4,7 +4,7 @@ import streamlit as st
 from engine import DTYPES
 from engine.config import COMPILE_MODES, COMPUTE_DTYPES
 from ui.access import admin_sign_in, is_admin
-from ui.engine_resource import apply_settings, current_settings
+from server.slot import apply_settings, current_settings
 
 st.title("Settings")
 current = current_settings()

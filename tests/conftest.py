@@ -81,7 +81,7 @@ def app_on_tiny(tiny_model, tmp_path, monkeypatch):
     the shared engine is rebuilt from the test's settings and dropped after it. Call the result for a new AppTest."""
     from streamlit.testing.v1 import AppTest
 
-    from ui.engine_resource import shutdown
+    from server.slot import shutdown
 
     monkeypatch.setenv("VLSCOPE_MODEL", str(tiny_model))
     monkeypatch.setenv("VLSCOPE_DB", str(tmp_path / "app.db"))

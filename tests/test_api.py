@@ -90,7 +90,7 @@ def test_non_streaming_and_streaming_answers(server, images_dir):
     # the profiling page (another process, same database) shows the API's requests with their source
     from streamlit.testing.v1 import AppTest
 
-    from ui.engine_resource import shutdown
+    from server.slot import shutdown
 
     os.environ["VLSCOPE_DB"] = str(db)
     try:

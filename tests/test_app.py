@@ -8,7 +8,7 @@ from streamlit.testing.v1 import AppTest
 
 from engine import ChatRequest, MetricsStore, TextChunk
 
-from ui.engine_resource import shutdown
+from server.slot import shutdown
 
 from .conftest import ROOT
 

@@ -7,7 +7,7 @@ import re
 from streamlit.testing.v1 import AppTest
 
 from engine.config import EngineConfig, ServerSettings, load_settings, setting_names
-from ui.engine_resource import shutdown
+from server.slot import shutdown
 
 from .conftest import ROOT
 
@@ -31,6 +31,25 @@ def test_engine_is_the_inference_core_and_imports_nothing_above_it():
     assert not {"bench.py", "tuning.py", "soak.py", "advisor.py"} & {p.name for p in (ROOT / "engine").iterdir()}
 
 
+def _imports(path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_the_api_and_the_shared_server_state_do_not_import_the_ui():
+    """The API serves without the UI: it reaches the engine through server/, which draws nothing."""
+    for path in _python_files("api", "server"):
+        assert not _imports(path) & {"ui", "pages"}, f"{path.relative_to(ROOT)} imports the UI"
+    for path in _python_files("server"):
+        drawn = set(re.findall(r"\bst\.(\w+)", path.read_text())) - {"secrets", "get_option", "App"}
+        assert not drawn, f"{path.relative_to(ROOT)} draws with st.{drawn}"
+
+
 def _reads_vlscope_variable(node: ast.AST) -> bool:
     """os.environ["VLSCOPE_X"], os.environ.get("VLSCOPE_X") or os.getenv("VLSCOPE_X")."""
     def vlscope_constant(value):
@@ -43,7 +62,7 @@ def _reads_vlscope_variable(node: ast.AST) -> bool:
 
 
 def test_no_module_but_the_settings_module_reads_vlscope_variables():
-    readers = [str(path.relative_to(ROOT)) for path in _python_files("", "engine", "api", "ui", "pages", "bench")
+    readers = [str(path.relative_to(ROOT)) for path in _python_files("", "engine", "server", "api", "ui", "pages", "bench")
                if any(_reads_vlscope_variable(node) for node in ast.walk(ast.parse(path.read_text())))]
     assert readers == ["engine/config.py"]
 

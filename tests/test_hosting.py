@@ -15,7 +15,7 @@ from PIL import Image
 from api import prometheus
 from engine import MetricsStore
 from engine.metrics import RequestMetrics
-from ui.engine_resource import shutdown
+from server.slot import shutdown
 
 from .test_api import start_server
 

@@ -13,7 +13,7 @@ from streamlit.testing.v1 import AppTest
 from engine import (STAGES, Busy, ChatRequest, EngineConfig, GenerationFailed, InvalidImage, MetricsStore,
                     PromptTooLong, RequestMetrics, TextChunk)
 from engine.remote import RemoteEngine
-from ui.engine_resource import shutdown
+from server.slot import shutdown
 
 from .conftest import ROOT
 from .test_api import start_server

@@ -15,7 +15,8 @@ from collections import deque
 
 import streamlit as st
 
-from .engine_resource import server_settings
+from server.signed_in import mark_signed_in, secret, sign_in_configured
+from server.slot import server_settings
 
 log = logging.getLogger(__name__)
 
@@ -23,24 +24,6 @@ FAILURE_WINDOW_S = 300.0
 LOCKOUT_AFTER = 10  # failed passwords within the window, from any session: further attempts wait until it clears
 _failures: deque[float] = deque()
 _failures_lock = threading.Lock()
-_signed_in_sessions: set[str] = set()
-
-
-def _secret(section: str, key: str | None = None):
-    try:
-        value = st.secrets.get(section)
-        return value.get(key) if key and value is not None else value
-    except Exception:  # no secrets file: nothing configured there
-        return None
-
-
-def sign_in_configured() -> bool:
-    return bool(_secret("auth")) or bool(server_settings().app_password)
-
-
-def session_signed_in(session_id: str) -> bool | None:
-    """For the upload guard: None when the app has no sign-in; else whether that session has signed in."""
-    return session_id in _signed_in_sessions if sign_in_configured() else None
 
 
 def _session_id() -> str | None:
@@ -53,7 +36,7 @@ def _session_id() -> str | None:
 def _mark_signed_in() -> None:
     session_id = _session_id()
     if session_id:
-        _signed_in_sessions.add(session_id)
+        mark_signed_in(session_id)
 
 
 def _recent_failures() -> int:
@@ -82,7 +65,7 @@ def _check_password(entered: str, expected: str, what: str) -> bool:
 
 def require_sign_in() -> bool:
     """True when this session may see the app; otherwise draws the sign-in and returns False."""
-    if _secret("auth"):
+    if secret("auth"):
         if st.user.is_logged_in:
             _mark_signed_in()
             return True
@@ -111,7 +94,7 @@ def is_admin() -> bool:
     if not sign_in_configured() or st.session_state.get("admin"):
         return True
     settings = server_settings()
-    email = st.user.get("email") if _secret("auth") and st.user.is_logged_in else None
+    email = st.user.get("email") if secret("auth") and st.user.is_logged_in else None
     return bool(email) and email.lower() in {admin.lower() for admin in settings.admins}
 
 
@@ -128,10 +111,3 @@ def admin_sign_in() -> None:
             if _check_password(entered, password, "admin sign-in"):
                 st.session_state["admin"] = True
                 st.rerun()
-
-
-def exposed_without_sign_in() -> bool:
-    """The server listens beyond loopback and neither the API nor the app asks who is calling."""
-    address = st.get_option("server.address") or ""
-    beyond_loopback = address not in ("127.0.0.1", "localhost", "::1")
-    return beyond_loopback and not server_settings().api_keys and not sign_in_configured()

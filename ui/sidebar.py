@@ -4,9 +4,10 @@ from __future__ import annotations
 import streamlit as st
 
 from engine.metrics import current_rss
+from server.signed_in import exposed_without_sign_in
+from server.slot import LoadedEngine
 
-from .access import exposed_without_sign_in, is_admin
-from .engine_resource import LoadedEngine
+from .access import is_admin
 
 GIB = 1 << 30
 

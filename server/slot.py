@@ -1,0 +1,153 @@
+"""One engine per server process, shared by every session of the UI and by the HTTP API.
+
+The engine sits in a process-wide slot; the current settings live beside it, and a change swaps the engine for
+everyone. Nothing here draws: the UI's progress bar (ui/engine_resource.py) and the API both load through
+`ensure_loaded`.
+"""
+from __future__ import annotations
+
+import gc
+import logging
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import streamlit as st
+
+from engine import SKELETON_DIR, Engine, EngineConfig, MetricsStore, ModelUnavailable
+from engine.config import ServerSettings, Settings, load_settings
+from engine.model_loading import looks_like_hub_id
+from engine.remote import RemoteEngine
+
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadedEngine:
+    engine: Engine
+    fallback_reason: str | None  # why the synthetic skeleton stands in for the configured model
+
+
+@dataclass
+class EngineSlot:
+    config: EngineConfig  # the engine settings in force for every session (the Settings page may change them)
+    server: ServerSettings  # read at start; fixed for the process
+    loaded: LoadedEngine | None = None
+    loaded_config: EngineConfig | None = None
+    error: str | None = None  # the last load failure for `config`; cleared by a retry
+    loading: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def ready(self) -> bool:
+        return self.loaded is not None and self.loaded_config == self.config
+
+
+def _secrets() -> dict:
+    """The `[vlscope]` table of Streamlit's secrets (so its secrets locations and `st.App(secrets=...)` count)."""
+    try:
+        return dict(st.secrets.get("vlscope", {}))
+    except Exception:  # no secrets file, or an unreadable one: the defaults and environment still apply
+        return {}
+
+
+def configured_settings() -> Settings:
+    return load_settings(secrets=_secrets())
+
+
+_slot: EngineSlot | None = None
+_slot_lock = threading.Lock()
+
+
+def engine_slot() -> EngineSlot:
+    global _slot
+    with _slot_lock:
+        if _slot is None:
+            settings = configured_settings()
+            _slot = EngineSlot(settings.engine, settings.server)
+        return _slot
+
+
+def build_engine(config: EngineConfig, progress, fallback_model: str = str(SKELETON_DIR)) -> LoadedEngine:
+    if config.remote_url:
+        return LoadedEngine(RemoteEngine(config, progress=progress), None)
+    try:
+        return LoadedEngine(Engine(config, progress=progress), None)
+    except ModelUnavailable as exc:
+        # A hub id whose weights cannot be reached: start on the bundled skeleton and say so, rather than failing.
+        # A local folder that is wrong is the operator's mistake to see and fix, so that error is shown instead.
+        if Path(config.model).expanduser().exists() or not looks_like_hub_id(config.model):
+            raise
+        return LoadedEngine(Engine(config.replace(model=fallback_model), progress=progress), exc.message)
+
+
+def _release(slot: EngineSlot) -> None:
+    if slot.loaded is not None:
+        slot.loaded.engine.close()
+        slot.loaded = slot.loaded_config = None
+        gc.collect()  # free the old weights before the new ones are allocated
+
+
+def ensure_loaded(progress=None) -> LoadedEngine | None:
+    """Load the engine for the current settings if needed (one loader at a time; others wait). None on failure,
+    with the reason in engine_slot().error; a failed load is not retried until retry_loading()."""
+    slot = engine_slot()
+    if slot.ready or slot.error is not None:
+        return slot.loaded if slot.ready else None
+    with slot.lock:
+        if not slot.ready and slot.error is None:
+            _release(slot)
+            config = slot.config
+            slot.loading = True
+            try:
+                slot.loaded = build_engine(config, progress, slot.server.fallback_model)
+                slot.loaded_config = config
+            except Exception as exc:  # any load failure is reported; the server keeps serving
+                log.exception("model load failed")
+                slot.error = exc.message if hasattr(exc, "message") else f"{type(exc).__name__}: {exc}"
+            finally:
+                slot.loading = False
+    return slot.loaded if slot.ready else None
+
+
+def retry_loading() -> None:
+    engine_slot().error = None
+
+
+def current_settings() -> EngineConfig:
+    return engine_slot().config
+
+
+def server_settings() -> ServerSettings:
+    return engine_slot().server
+
+
+def apply_settings(config: EngineConfig) -> None:
+    """New settings for everyone; the next run of any page (or API call) loads the engine for them."""
+    slot = engine_slot()
+    with slot.lock:
+        if config != slot.config:
+            slot.config, slot.error = config, None
+
+
+_stores: dict[str, MetricsStore] = {}
+
+
+def get_store() -> MetricsStore:
+    """The metrics database alone: the profiling page works even when the model failed to load."""
+    path = current_settings().db_path
+    with _slot_lock:
+        if path not in _stores:
+            _stores[path] = MetricsStore(path)
+        return _stores[path]
+
+
+def shutdown() -> None:
+    """Close the engine and forget the settings (server shutdown; tests start each case afresh)."""
+    global _slot
+    with _slot_lock:
+        if _slot is not None:
+            with _slot.lock:
+                _release(_slot)
+            _slot = None
