@@ -90,7 +90,7 @@ def cmd_check_images(args) -> int:
 
 
 def cmd_make_tiny(args) -> int:
-    from .model_loading import make_tiny
+    from .tiny import make_tiny
 
     path = make_tiny(args.skeleton, args.outdir)
     print(path)

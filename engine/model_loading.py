@@ -5,11 +5,9 @@ tensor has its real shape, so latency and memory are what the real model costs.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
-import shutil
 import socket
 import time
 from dataclasses import dataclass
@@ -191,7 +189,7 @@ def _unavailable(model: str, cause: BaseException) -> ModelUnavailable:
     )
 
 
-def build_synthetic(config_source: str, dtype: torch.dtype, seed: int = 0) -> nn.Module:
+def build_synthetic(config_source: str | Path, dtype: torch.dtype, seed: int = 0, std: float = 0.02) -> nn.Module:
     """The architecture from config.json with synthetic weights, allocated once in its final dtype."""
     from transformers import AutoConfig, Qwen3VLForConditionalGeneration
     from transformers.initialization import no_init_weights
@@ -202,7 +200,7 @@ def build_synthetic(config_source: str, dtype: torch.dtype, seed: int = 0) -> nn
         model = Qwen3VLForConditionalGeneration._from_config(model_config, dtype=dtype)
     # no_init_weights also skips the tying of the LM head to the embeddings; the real model is tied.
     model.tie_weights()
-    fill_synthetic_(model, seed=seed)
+    fill_synthetic_(model, seed=seed, std=std)
     return model
 
 
@@ -309,50 +307,3 @@ def pack_remaining_linears(model: nn.Module, compute_dtype: str,
 def looks_like_hub_id(source: str) -> bool:
     """'org/name' or 'name', as the hub spells ids; anything else with a slash is a filesystem path."""
     return re.fullmatch(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?", source) is not None
-
-
-TINY_TEXT = dict(
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=16,
-)
-TINY_VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=32)
-
-
-def make_tiny(skeleton: str | Path, outdir: str | Path, seed: int = 0) -> Path:
-    """Write a tiny Qwen3-VL of the same family (same tokenizer, small dimensions, real weight files) for tests.
-
-    It has weight files, so loading it goes through the same from_pretrained path as the real model.
-    """
-    from transformers import AutoConfig
-
-    skeleton, outdir = Path(skeleton), Path(outdir)
-    outdir.mkdir(parents=True, exist_ok=True)
-    for name in SKELETON_FILES:
-        if (skeleton / name).is_file():
-            shutil.copyfile(skeleton / name, outdir / name)
-    raw = json.loads((skeleton / "config.json").read_text())
-    raw["text_config"].update(TINY_TEXT)
-    # The rotary sections must add up to head_dim / 2.
-    raw["text_config"]["rope_parameters"]["mrope_section"] = [4, 2, 2]
-    raw["vision_config"].update(TINY_VISION)
-    raw["vision_config"]["deepstack_visual_indexes"] = [0]
-    (outdir / "config.json").write_text(json.dumps(raw, indent=2))
-    model_config = AutoConfig.from_pretrained(outdir)
-    from transformers import Qwen3VLForConditionalGeneration
-    from transformers.initialization import no_init_weights
-
-    with no_init_weights():
-        model = Qwen3VLForConditionalGeneration._from_config(model_config, dtype=torch.bfloat16)
-    model.tie_weights()
-    fill_synthetic_(model, seed=seed, std=0.2)
-    model.save_pretrained(outdir)
-    (outdir / "README.md").write_text(
-        "# Tiny Qwen3-VL for tests\n\nMade by `python -m engine make-tiny` from the Qwen3-VL-2B-Instruct skeleton: "
-        "the real tokenizer, chat template and preprocessing, with tiny dimensions and random weights. "
-        "Its answers are noise. Apache-2.0 (Qwen team, Alibaba Cloud) for the tokenizer and template files.\n"
-    )
-    return outdir

@@ -17,7 +17,7 @@ os.environ.setdefault("VLSCOPE_COMPILE", "off")
 
 from engine import Engine, EngineConfig  # noqa: E402
 from engine.config import SKELETON_DIR, shared_dir  # noqa: E402
-from engine.model_loading import make_tiny  # noqa: E402
+from engine.tiny import make_tiny  # noqa: E402
 
 # Real photos and scans beside the checkout (../shared/images), or where VLSCOPE_SHARED points.
 SHARED = shared_dir()
