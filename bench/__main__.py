@@ -35,14 +35,14 @@ def main(argv: list[str] | None = None) -> int:
     repeats = args.repeats or (2 if args.quick else 5)
     started = time.perf_counter()
     try:
-        document = run_bench(args.model or default_model(), args.quick, repeats, images, out,
+        result = run_bench(args.model or default_model(), args.quick, repeats, images, out,
                              args.db or EngineConfig.from_env().db_path, progress_printer(),
                              drift=not args.no_drift, against=args.against)
     except VlscopeError as exc:  # the compared server is down, refuses the key, or fails a request
         return fail(exc)
     print((out / "bench.md").read_text())
     print(f"wrote {out}/bench.json, bench.md, bench.html in {time.perf_counter() - started:.0f} s "
-          f"({len(document['cases'])} cases)", file=sys.stderr)
+          f"({len(result.cases)} cases)", file=sys.stderr)
     return 0
 
 

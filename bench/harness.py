@@ -1,8 +1,9 @@
 """`python -m bench`: what a request costs on this CPU, per precision, thread count, image size and path.
 
-Every figure is measured in the run: the machine's ceilings (memory bandwidth, matmul rate), vlscope's tuned path,
-a plain transformers baseline, and the numerical drift of each precision against float32. Warm-up runs are
-excluded; each case is repeated and reported as median and p95. Output: JSON, a markdown table, a plotly HTML.
+Runs the cases bench/plan.py lays out; bench/report.py turns the result into tables and a figure. Every figure is
+measured in the run: the machine's ceilings (memory bandwidth, matmul rate), vlscope's tuned path, a plain
+transformers baseline, and the numerical drift of each precision against float32. Warm-up runs are excluded; each
+case is repeated and reported as median and p95. Output: JSON, a markdown table, a plotly HTML.
 """
 from __future__ import annotations
 
@@ -33,36 +34,15 @@ from engine.request import ChatRequest, Turn
 from engine.system import memory_read_gb_per_s, system_report
 
 from .advisor import advise, recommend
+from .plan import APP_SWEEP, FOLLOW_UPS, IMAGE_SIZES, PROMPT, Case, execution_order, plan
 from .provenance import code_commit
-
-PROMPT = "Describe this image."
-FOLLOW_UPS = ("What colours stand out?", "Is there any text in it?")
-IMAGE_SIZES = {"448x448": (448, 448), "1280x960": (1280, 960), "1920x1080": (1920, 1080), "4000x3000": (4000, 3000)}
+from .report import html_report, markdown_report
 
 Report = Callable[[float, str], None]
 # Seconds of measured runs a quick case may take: a second repetition only where one run is well under a
 # minute, so the quick sweep stays under 10 minutes on a slow CPU and keeps its repetitions on a fast one.
 QUICK_CASE_BUDGET_S = 60.0
 _CONVERSATIONS = itertools.count(1)
-
-
-@dataclass(frozen=True)
-class Case:
-    """One benchmarked situation: engine settings, image, answer length, turns."""
-
-    name: str
-    group: str  # precision, baseline, threads, image_size, kv_cache, multi_turn
-    dtype: str = "float32"
-    threads: int | None = None
-    kv_cache: bool = True
-    image: str = "448x448"
-    max_new_tokens: int = 128
-    turns: int = 1
-    baseline: bool = False  # plain transformers generate instead of the engine
-    remote_url: str = ""  # another OpenAI-compatible server, measured through the remote engine (--against)
-
-    def engine_key(self) -> tuple:
-        return (self.dtype, self.threads, self.kv_cache)
 
 
 @dataclass
@@ -72,6 +52,32 @@ class CaseResult:
     load_s: float | None = None
     summary: dict = field(default_factory=dict)
     remote_runs: list[dict] = field(default_factory=list)  # the compared server's runs, interleaved with these
+
+    def to_dict(self) -> dict:
+        return {"case": dataclasses.asdict(self.case), "summary": self.summary, "runs": self.runs}
+
+
+@dataclass
+class BenchResult:
+    """One sweep, as bench.json keeps it and the reports and the Benchmark page read it."""
+
+    model: str
+    synthetic: bool
+    quick: bool
+    repeats: int
+    machine: dict
+    precision_advice: dict
+    ceilings: dict
+    drift_vs_float32: dict
+    cases: list[CaseResult]
+    against: dict | None = None  # the compared server's URL and model (--against)
+    prompt: str = PROMPT
+    created: str = field(default_factory=lambda: dt.datetime.now().isoformat(timespec="seconds"))
+    code: str | None = field(default_factory=code_commit)  # the commit measured
+
+    def to_dict(self) -> dict:
+        document = dataclasses.asdict(self) | {"cases": [result.to_dict() for result in self.cases]}
+        return document
 
 
 # ---- the machine's ceilings ------------------------------------------------------------------------------------
@@ -181,8 +187,6 @@ def run_interleaved(engine: Engine, other, case: Case, image: Image.Image, repea
 @compute.runs_on_compute_thread
 def run_baseline_case(model_source: str, case: Case, image: Image.Image, threads: int) -> tuple[float, list[dict]]:
     """What a first deployment does: load, the processor's default image budget, model.generate, no warm-up."""
-    from transformers import TextStreamer
-
     # compute_dtype pinned to the weights' dtype: a plain from_pretrained in that dtype, none of vlscope's choices.
     config = EngineConfig(model=model_source, dtype=case.dtype, threads=threads, warmup=False,
                           compute_dtype="float32" if case.dtype == "float32" else "bfloat16")
@@ -195,21 +199,7 @@ def run_baseline_case(model_source: str, case: Case, image: Image.Image, threads
         request_started = time.perf_counter()
         prompt, patches = single_image_inputs(loaded, image, resized, PROMPT)
         token_times: list[float] = []
-
-        class Clock(TextStreamer):
-            def put(self, value):  # the first call carries the prompt, later ones one new token each
-                token_times.append(time.perf_counter())
-
-            def end(self):
-                pass
-
-        with torch.inference_mode():
-            output = loaded.model.generate(
-                input_ids=prompt.input_ids, attention_mask=torch.ones_like(prompt.input_ids),
-                mm_token_type_ids=prompt.mm_token_type_ids, pixel_values=patches.pixel_values,
-                image_grid_thw=patches.image_grid_thw, max_new_tokens=case.max_new_tokens, do_sample=False,
-                streamer=Clock(loaded.tokenizer), use_cache=case.kv_cache, min_new_tokens=case.max_new_tokens,
-            )
+        output = greedy_generate(loaded, prompt, patches, case.max_new_tokens, token_times, case.kv_cache)
         finished = time.perf_counter()
     generated = output.shape[1] - prompt.input_ids.shape[1]
     new_token_times = token_times[1:]
@@ -229,6 +219,28 @@ def run_baseline_case(model_source: str, case: Case, image: Image.Image, threads
     return load_s, [record]
 
 
+def greedy_generate(loaded, prompt, patches, new_tokens: int, token_times: list[float] | None = None,
+                    use_cache: bool = True) -> torch.Tensor:
+    """transformers' own greedy generate of exactly `new_tokens`: the baseline's answer, and the answer the drift
+    is read on. With `token_times`, the time each new token came out is appended to it."""
+    from transformers import TextStreamer
+
+    class Clock(TextStreamer):
+        def put(self, value):  # the first call carries the prompt, later ones one new token each
+            token_times.append(time.perf_counter())
+
+        def end(self):
+            pass
+
+    with torch.inference_mode():
+        return loaded.model.generate(
+            input_ids=prompt.input_ids, attention_mask=torch.ones_like(prompt.input_ids),
+            mm_token_type_ids=prompt.mm_token_type_ids, pixel_values=patches.pixel_values,
+            image_grid_thw=patches.image_grid_thw, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+            do_sample=False, use_cache=use_cache,
+            streamer=Clock(loaded.tokenizer) if token_times is not None else None)
+
+
 # ---- drift of each precision against float32 ------------------------------------------------------------------
 
 @compute.runs_on_compute_thread
@@ -244,13 +256,9 @@ def measure_drift(model_source: str, image: Image.Image, dtypes: list[str], new_
         loaded = load_model(EngineConfig(model=model_source, dtype=dtype, threads=threads, warmup=False))
         resized = fit_to_budget(*image.size, 64 * 1024, 1024 * 1024)
         prompt, patches = single_image_inputs(loaded, image, resized, PROMPT)
+        if "tokens" not in sequences:
+            sequences["tokens"] = greedy_generate(loaded, prompt, patches, new_tokens)
         with torch.inference_mode():
-            if "tokens" not in sequences:
-                output = loaded.model.generate(
-                    input_ids=prompt.input_ids, attention_mask=torch.ones_like(prompt.input_ids),
-                    mm_token_type_ids=prompt.mm_token_type_ids, pixel_values=patches.pixel_values,
-                    image_grid_thw=patches.image_grid_thw, max_new_tokens=new_tokens, do_sample=False)
-                sequences["tokens"] = output
             tokens = sequences["tokens"]
             types = torch.zeros_like(tokens, dtype=torch.int32)
             types[:, : prompt.input_ids.shape[1]] = prompt.mm_token_type_ids
@@ -271,35 +279,6 @@ def measure_drift(model_source: str, image: Image.Image, dtypes: list[str], new_
 
 
 # ---- the sweep -------------------------------------------------------------------------------------------------
-
-def plan(quick: bool, cores: int) -> list[Case]:
-    """The cases, in report order. Quick: precisions, the float32 baseline, and a short multi-turn case in each
-    precision (a follow-up's time to first token is a target in every one; each runs on the engine its precision
-    case already loaded, so it adds seconds, not a load)."""
-    tokens = 32 if quick else 128
-    precisions = ("float32", "bfloat16", "int8")
-    cases = [Case(f"tuned {d}", "precision", dtype=d, max_new_tokens=tokens) for d in precisions]
-    cases += [Case(f"baseline {d}", "baseline", dtype=d, max_new_tokens=tokens, baseline=True)
-              for d in (("float32",) if quick else ("float32", "bfloat16"))]
-    cases += [Case(f"multi-turn {d}", "multi_turn", dtype=d, max_new_tokens=16 if quick else 64, turns=3)
-              for d in precisions]
-    if quick:
-        return cases
-    cases += [Case(f"threads {n}", "threads", threads=n, max_new_tokens=tokens) for n in range(1, cores + 1)
-              if n != cores]
-    cases += [Case(f"image {name} {d}", "image_size", dtype=d, image=name, max_new_tokens=32)
-              for d in ("float32", "bfloat16") for name in IMAGE_SIZES if name != "448x448"]
-    cases += [Case(f"no KV cache {d}", "kv_cache", dtype=d, kv_cache=False, max_new_tokens=8) for d in ("float32", "bfloat16")]
-    return cases
-
-
-def execution_order(cases: list[Case]) -> list[Case]:
-    """Cases that share engine settings run back to back, so each model is loaded (and warmed up) once."""
-    first_seen: dict[tuple, int] = {}
-    for index, case in enumerate(cases):
-        first_seen.setdefault((case.baseline, case.engine_key()), index)
-    return sorted(cases, key=lambda c: first_seen[(c.baseline, c.engine_key())])
-
 
 def summarize(result: CaseResult, ceilings: dict, lm_bytes: int | None, lm_params: int | None) -> dict:
     runs = result.runs
@@ -342,14 +321,8 @@ def summarize(result: CaseResult, ceilings: dict, lm_bytes: int | None, lm_param
     return summary
 
 
-APP_SWEEP = (
-    Case("448x448", "image_size", max_new_tokens=16),
-    Case("1280x960", "image_size", image="1280x960", max_new_tokens=16),
-    Case("multi-turn", "multi_turn", max_new_tokens=16, turns=3),
-)
-
-
-def sweep_on_engine(engine: Engine, images_dir: Path, report: Report, cases=APP_SWEEP, repeats: int = 1) -> dict:
+def sweep_on_engine(engine: Engine, images_dir: Path, report: Report, cases=APP_SWEEP,
+                    repeats: int = 1) -> BenchResult:
     """A small sweep on an already loaded engine (the app's): no second model in memory, same report format."""
     machine = system_report()
     report(0.0, "measuring the machine's ceilings")
@@ -365,14 +338,12 @@ def sweep_on_engine(engine: Engine, images_dir: Path, report: Report, cases=APP_
         result.summary = summarize(result, ceilings, lm_bytes, lm_params)
         results.append(result)
     report(1.0, "done")
-    return {
-        "created": dt.datetime.now().isoformat(timespec="seconds"), "code": code_commit(), "model": engine.info.model,
-        "synthetic": engine.info.synthetic, "quick": True, "repeats": repeats, "prompt": PROMPT,
-        "machine": dataclasses.asdict(machine) | {"advice": machine.advice},
-        "precision_advice": {"recommended": "–", "reasons": ["not measured in the app sweep"]},
-        "ceilings": ceilings, "drift_vs_float32": {},
-        "cases": [{"case": dataclasses.asdict(r.case), "summary": r.summary, "runs": r.runs} for r in results],
-    }
+    return BenchResult(engine.info.model, engine.info.synthetic, True, repeats, _machine_facts(machine),
+                       {"recommended": "–", "reasons": ["not measured in the app sweep"]}, ceilings, {}, results)
+
+
+def _machine_facts(machine) -> dict:
+    return dataclasses.asdict(machine) | {"advice": machine.advice}
 
 
 def _release(engines: dict) -> None:
@@ -448,7 +419,7 @@ def default_model() -> str:
 
 
 def run_bench(model: str, quick: bool, repeats: int, images_dir: Path, out_dir: Path, db_path: str,
-              report: Report, drift: bool = True, against: str | None = None) -> dict:
+              report: Report, drift: bool = True, against: str | None = None) -> BenchResult:
     machine = system_report()
     threads = machine.physical_cores
     remote = _connect(against, db_path) if against else None  # before any measuring: a wrong URL fails at once
@@ -495,140 +466,16 @@ def run_bench(model: str, quick: bool, repeats: int, images_dir: Path, out_dir: 
         drift_results = measure_drift(model, drift_image, ["bfloat16", "int8"], 8 if quick else 32, threads, report)
         advance("drift measured")
     synthetic = not has_weights(Path(model)) if Path(model).is_dir() else False
-    cases_out = [{"case": dataclasses.asdict(r.case), "summary": r.summary, "runs": r.runs} for r in results]
-    document = {
-        "created": dt.datetime.now().isoformat(timespec="seconds"),
-        "code": code_commit(),
-        "model": model,
-        "synthetic": synthetic,
-        "quick": quick,
-        "repeats": repeats,
-        "prompt": PROMPT,
-        "machine": dataclasses.asdict(machine) | {"advice": machine.advice},
-        "precision_advice": dataclasses.asdict(recommend(cases_out, drift_results, advice)),
-        "ceilings": ceilings,
-        "drift_vs_float32": drift_results,
-        "cases": cases_out,
-        "against": {"url": against, "model": remote.info.model} if remote is not None else None,
-    }
+    advice = recommend([result.to_dict() for result in results], drift_results, advice)
+    result = BenchResult(model, synthetic, quick, repeats, _machine_facts(machine), dataclasses.asdict(advice),
+                         ceilings, drift_results, results,
+                         {"url": against, "model": remote.info.model} if remote is not None else None)
+    document = result.to_dict()
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "bench.json").write_text(json.dumps(document, indent=1, default=str))
     (out_dir / "bench.md").write_text(markdown_report(document))
     html_report(document, out_dir / "bench.html")
     advance("written")
-    return document
+    return result
 
 
-# ---- reports ---------------------------------------------------------------------------------------------------
-
-def _fmt(value, digits=2) -> str:
-    return "–" if value is None else f"{value:.{digits}f}"
-
-
-def _precision(dtype: str, compute_dtype: str | None) -> str:
-    """'bfloat16' when weights and compute agree, else 'int8 / float32' (weights / compute)."""
-    return dtype if compute_dtype in (None, dtype) else f"{dtype} / {compute_dtype}"
-
-
-def _median(summary: dict, key: str):
-    value = summary.get(key)
-    return value["median"] if isinstance(value, dict) else value
-
-
-def _ratio(ours: dict, other: dict, key: str) -> float | None:
-    mine, theirs = _median(ours, key), _median(other, key)
-    return mine / theirs if mine and theirs else None
-
-
-def markdown_report(document: dict) -> str:
-    machine, ceilings = document["machine"], document["ceilings"]
-    lines = [
-        f"# vlscope benchmark ({'quick' if document['quick'] else 'full'}), {document['created']}",
-        "",
-        f"Model `{document['model']}`{' (synthetic weights: latency and memory are real, answers are not)' if document['synthetic'] else ''}. "
-        f"CPU {machine['cpu_model']}, {machine['physical_cores']} cores, ISA {', '.join(machine['isa_flags'])}, "
-        f"THP {machine['transparent_hugepages']}, torch {machine['torch_version']}, transformers {machine['transformers_version']}.",
-        f"Ceilings measured in this run: memory read {ceilings['memory_read_gb_per_s']:.1f} GB/s; matmul "
-        f"float32 {ceilings['matmul_gflops']['float32']:.0f} GFLOP/s, bfloat16 {ceilings['matmul_gflops']['bfloat16']:.0f} GFLOP/s. "
-        f"Prompt: \"{document['prompt']}\", greedy; after a warm-up, median of the measured runs (the runs column; p95 in the JSON).",
-        "",
-        "| case | weights / compute | threads | image | runs | vision tok | load s | TTFT s | follow-up TTFT s | decode tok/s | % of bandwidth ceiling | prefill % of compute | end-to-end s | peak RSS GB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for entry in document["cases"]:
-        case, s = entry["case"], entry["summary"]
-        fraction = s.get("decode_fraction_of_bandwidth_ceiling")
-        compute = s.get("prefill_fraction_of_compute_ceiling")
-        lines.append(
-            f"| {case['name']} | {_precision(case['dtype'], s.get('compute_dtype'))} | {case['threads'] or machine['physical_cores']} | {case['image']} | "
-            f"{s.get('repetitions', document['repeats'])} | {s['vision_tokens']} | {_fmt(s.get('load_s'), 1)} | {_fmt(_median(s, 'ttft_s'))} | "
-            f"{_fmt(_median(s, 'follow_up_ttft_s'))} | {_fmt(_median(s, 'decode_tokens_per_s'))} | "
-            f"{_fmt(fraction * 100 if fraction else None, 0)} | {_fmt(compute * 100 if compute else None, 0)} | "
-            f"{_fmt(_median(s, 'e2e_s'), 1)} | {_fmt(None if case['dtype'] == 'remote' else s['rss_peak_bytes'] / 1e9, 1)} |"
-        )
-    against = document.get("against")
-    if against:
-        by_name = {entry["case"]["name"]: entry["summary"] for entry in document["cases"]}
-        lines += ["", f"Against `{against['model']}`, the same request interleaved with vlscope's in one run "
-                  "(ratio vlscope / other: above 1 is faster for decode, below 1 is faster for TTFT and end to end):",
-                  "", "| vlscope case | other decode tok/s | decode ratio | other TTFT s | TTFT ratio | other end-to-end s | "
-                  "end-to-end ratio |", "|---|---|---|---|---|---|---|"]
-        for entry in document["cases"]:
-            case = entry["case"]
-            other = by_name.get(f"against {case['dtype']}") if case["group"] == "precision" else None
-            if other is None:
-                continue
-            ratios = [_ratio(entry["summary"], other, key) for key in ("decode_tokens_per_s", "ttft_s", "e2e_s")]
-            lines.append(f"| {case['name']} | {_fmt(_median(other, 'decode_tokens_per_s'))} | {_fmt(ratios[0])} | "
-                         f"{_fmt(_median(other, 'ttft_s'))} | {_fmt(ratios[1])} | {_fmt(_median(other, 'e2e_s'), 1)} | "
-                         f"{_fmt(ratios[2])} |")
-    if document["drift_vs_float32"]:
-        lines += ["", "Numerical drift against float32 (teacher-forced on float32's answer):", "",
-                  "| dtype | top-1 agreement | max abs logit error | positions |", "|---|---|---|---|"]
-        for dtype, d in document["drift_vs_float32"].items():
-            lines.append(f"| {dtype} | {d['top1_agreement'] * 100:.1f}% | {d['max_abs_logit_error']:.3f} | {d['positions']} |")
-    advice = document["precision_advice"]
-    lines += ["", f"Precision advice for this CPU: **{advice['recommended']}**. " + " ".join(advice["reasons"])]
-    return "\n".join(lines) + "\n"
-
-
-def cases_table(document: dict) -> list[dict]:
-    """One row per case with the figures people compare, narrow enough for a page (the markdown has them all)."""
-    rows = []
-    for entry in document["cases"]:
-        case, s = entry["case"], entry["summary"]
-        fraction = s.get("decode_fraction_of_bandwidth_ceiling")
-        rows.append({"case": case["name"], "precision": _precision(case["dtype"], s.get("compute_dtype")),
-                     "TTFT s": _median(s, "ttft_s"), "decode tok/s": _median(s, "decode_tokens_per_s"),
-                     "% of read ceiling": round(fraction * 100) if fraction else None,
-                     "end to end s": _median(s, "e2e_s"), "peak RSS GB": round(s["rss_peak_bytes"] / 1e9, 1)})
-    return rows
-
-
-def html_report(document: dict, path: Path) -> None:
-    path.write_text(report_figure(document).to_html(include_plotlyjs=True, full_html=True))
-
-
-def report_figure(document: dict):
-    from plotly.subplots import make_subplots
-
-    cases = document["cases"]
-    names = [c["case"]["name"] for c in cases]
-    figure = make_subplots(rows=2, cols=2, subplot_titles=(
-        "where the first answer's time goes (s, median)", "decode tokens/s (median)", "TTFT (s, median)",
-        "peak RSS (GB)"))
-    stage_names = sorted({k for c in cases for k in c["summary"]["stages"]})
-    for stage in stage_names:
-        figure.add_bar(name=stage, x=names, y=[(c["summary"]["stages"].get(stage) or {}).get("median", 0)
-                                               for c in cases], row=1, col=1)
-    figure.add_bar(name="decode tok/s", x=names, y=[_median(c["summary"], "decode_tokens_per_s") for c in cases],
-                   row=1, col=2, showlegend=False)
-    figure.add_scatter(name="memory-read ceiling", x=names, y=[c["summary"].get("decode_ceiling_tokens_per_s")
-                                                               for c in cases],
-                       mode="markers", marker=dict(symbol="line-ew-open", size=28, color="#e15759"), row=1, col=2)
-    figure.add_bar(name="TTFT", x=names, y=[_median(c["summary"], "ttft_s") for c in cases], row=2, col=1,
-                   showlegend=False)
-    figure.add_bar(name="peak RSS", x=names, y=[c["summary"]["rss_peak_bytes"] / 1e9 for c in cases], row=2, col=2,
-                   showlegend=False)
-    figure.update_layout(barmode="stack", height=900, title=f"vlscope benchmark, {document['created']}")
-    return figure

@@ -9,7 +9,7 @@ import json
 import sys
 from pathlib import Path
 
-from .harness import html_report
+from .report import html_report
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,7 +26,8 @@ from engine.model_loading import LoadedModel, load_model
 from engine.preprocess import single_image_inputs
 
 from .cli import fail
-from .harness import PROMPT, default_images_dir, default_model
+from .harness import default_images_dir, default_model
+from .plan import PROMPT
 
 GREEDY = (0.0, 1.0, torch.Generator())
 

@@ -6,8 +6,8 @@ import streamlit as st
 
 from bench.advisor import advise
 from bench.provenance import describe
-from bench.harness import (cases_table, default_images_dir, markdown_report, reference_result, report_figure,
-                          sweep_on_engine)
+from bench.harness import default_images_dir, reference_result, sweep_on_engine
+from bench.report import cases_table, markdown_report, report_figure
 from engine.config import PROJECT_DIR
 from ui.engine_resource import get_engine
 
@@ -24,7 +24,7 @@ with left:
         bar = st.progress(0.0, text="starting")
         try:
             st.session_state["sweep"] = sweep_on_engine(
-                loaded.engine, default_images_dir(), lambda fraction, message: bar.progress(fraction, text=message))
+                loaded.engine, default_images_dir(), lambda fraction, message: bar.progress(fraction, text=message)).to_dict()
         except Exception as exc:  # a busy queue or a refused request: say so, keep the page
             st.error(f"The sweep stopped: {exc}")
         bar.empty()

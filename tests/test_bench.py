@@ -8,8 +8,8 @@ import sys
 import pytest
 
 from bench.advisor import advise
-from bench.harness import (Case, bench_image, execution_order, plan, reference_result, run_baseline_case,
-                          run_engine_case)
+from bench.harness import bench_image, reference_result, run_baseline_case, run_engine_case
+from bench.plan import Case, execution_order, plan
 from engine.system import system_report
 
 from .conftest import ROOT
