@@ -1,14 +1,12 @@
 """Attention for one decode step, where PyTorch's fused kernel costs more than the arithmetic.
 
-A decode step attends one query per head over the cached keys: a few hundred thousand multiply-adds per layer.
-scaled_dot_product_attention's CPU flash kernel took 0.6 ms per call for it (2 threads, 250 cached tokens,
-AVX-512 EPYC): 17 ms of a 250 ms bfloat16 token across 28 layers. Two small matmuls and a softmax do the same
-in a fraction of that. Prefill and the vision tower keep the fused kernel, and so does everything transformers
+A decode step attends one query per head over the cached keys: a few hundred thousand multiply-adds per layer, for
+which scaled_dot_product_attention's CPU flash kernel pays more in setup than in arithmetic. Two small matmuls and
+a softmax do the same in a fraction of its time (docs/decisions.md, "Single-query attention"). Prefill and the vision tower keep the fused kernel, and so does everything transformers
 decides about masks: only the function behind the "sdpa" name changes, and only for single-query calls.
 
 The products are done in float32 even for a bfloat16 cache: at these shapes (two query rows per key head) the
-bfloat16 batched matmul is the slow path. Same CPU, one layer (16 query heads, 8 key heads of 128): 274 cached
-tokens 325 us in bfloat16 against 221 widened to float32 first, 1,000 tokens 954 against 653 (x 28 layers a token).
+bfloat16 batched matmul is the slow path.
 """
 from __future__ import annotations
 

@@ -3,10 +3,8 @@
 libgomp (PyTorch's OpenMP) gives every thread that starts a parallel region its own team of worker threads, and
 once it manages more threads than there are CPUs, every team's workers stop spinning between regions and sleep
 (its "throttled" spin count). A decode step has hundreds of parallel regions, and each then waits for its workers
-to be woken. Measured on the AVX-512 BF16 EPYC, 2 threads, full-size int8 model, 24 greedy decode steps: 95-101
-ms/token with loading and decoding on one thread (the main one, or any other), 117-151 ms/token with the model
-loaded on one thread and decoded on another (OMP_WAIT_POLICY and GOMP_SPINCOUNT did not recover it). So all of
-it runs here, on one long-lived thread, and callers wait for the result.
+to be woken (docs/decisions.md, "One compute thread", has the figures). So all of it runs here, on one long-lived
+thread, and callers wait for the result.
 """
 from __future__ import annotations
 
@@ -80,8 +78,7 @@ def run(fn: Callable[..., T], *args, progress: Progress | None = None, **kwargs)
 
 def runs_on_compute_thread(fn: Callable[..., T]) -> Callable[..., T]:
     """Make `fn` (a function that runs PyTorch) run on the compute thread whoever calls it. A measurement run on a
-    caller's thread instead left an OpenMP team there: the quick bench's precision advice, measured on the main
-    thread, slowed every case after it (bfloat16 5.1 tok/s in the sweep against 7.1-7.2 alone)."""
+    caller's thread instead left an OpenMP team there, which slowed every decode step after it."""
 
     @functools.wraps(fn)
     def on_compute_thread_(*args, **kwargs):

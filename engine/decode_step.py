@@ -4,13 +4,9 @@ Prefill stays eager (its shapes change with every prompt). Each of the direct st
 inductor, weights frozen as constants, so it picks per Linear shape between its CPP GEMM templates and oneDNN's
 prepacked product and fuses the small operations around them; attention stays eager over the used length.
 
-Measured on the AVX-512 BF16 EPYC, 2 threads, full-size model (README, "The compiled direct step"): bfloat16
-111-141 ms/token compiled against 249-265 eager, the same greedy tokens. Eager bfloat16 on fbgemm's float16 copy of
-the weights (engine/quantize.py, fp16_packed) decodes as fast as compiled with no compile at load, so `auto`
-compiles bfloat16 only where those products are missing. Freezing keeps a copy of the language
-model's weights beside the eager ones, which prefill still uses: float32 compiled decodes 1.4x faster but takes
-RSS to 17.6 GB, so `auto` leaves it eager; int8's fbgemm products are opaque to the compiler (called from the
-segments as a custom op: 78.1 against 78.4 ms/token, other greedy tokens), so int8 stays eager too.
+`auto` compiles bfloat16 only where fbgemm's float16 products are missing (eager on the float16 copy is as fast);
+float32 stays eager because freezing keeps a second copy of the weights, and int8 because its fbgemm products are
+opaque to the compiler. The measurements behind each: docs/decisions.md, "Compile policy".
 """
 from __future__ import annotations
 
@@ -43,8 +39,8 @@ def compiles_when_auto(dtype: str, compute_dtype: str, kernels: str) -> bool:
 
 def hidden_dtype(loaded) -> torch.dtype | None:
     """What the direct step keeps its hidden state in between operations. int8 products, and bfloat16 ones on
-    fbgemm's float16 copy, take and give float32: rounding it to bfloat16 between them is work for nothing
-    (full-size int8: 76.0 against 78.8 ms/token p10, the same greedy tokens). Otherwise the model's own dtype, as
+    fbgemm's float16 copy, take and give float32: rounding it to bfloat16 between them is work for nothing.
+    Otherwise the model's own dtype, as
     transformers' layers keep it."""
     if loaded.dtype == "int8":
         return torch.float32

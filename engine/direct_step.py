@@ -1,8 +1,7 @@
 """A one-token decode step written out over the model's own weights, gpt-fast's way; eager, or compiled by segment.
 
 transformers' forward is built for every case (any batch, masks, cache kinds, output capture); for one token it
-runs thousands of small operations around the 197 products that read the weights (profiled on the full-size int8
-model: ~1,000 copies, ~1,000 dtype conversions and 117 concatenations a token). Here a token is the products plus
+runs thousands of small operations around the 197 products that read the weights. Here a token is the products plus
 about 30 operations a layer, on keys and values kept in float32 buffers of this step's own (no mask, no cache
 object, no copy of the whole cache a step: transformers' DynamicCache concatenates, and a bfloat16 cache is
 widened for single_query_attention's float32 products at every step).
@@ -11,7 +10,7 @@ A token is cut at its attentions into 29 segments (the head, then from each atte
 the next layer's norms, projections and rotary). `compile()` hands each segment to inductor with the weights frozen
 as constants, so its products run on inductor's CPP GEMM templates and its small operations fuse; attention stays
 eager, over the used length of the buffers. Compiling transformers' forward over a StaticCache instead attended
-over the whole cache every token (figures in docs/performance.md). One code object per segment: Dynamo caches
+over the whole cache every token (figures in docs/decisions.md). One code object per segment: Dynamo caches
 compiled code by code object, and 29 entries on one would be searched in turn at every call.
 
 Images stay with transformers: a prompt's vision tokens are prefilled by its forward into its DynamicCache, and the
@@ -201,11 +200,8 @@ class DirectDecodeStep:
         forward.
 
         A follow-up question is ~16 such tokens after a cached conversation: products are most of the work, and
-        transformers' forward spends a third as much again around them. Full-size int8 on an AVX-512 BF16 EPYC,
-        2 threads, 23 tokens after 225 cached: 155 ms against 170 for transformers' prefill and `take` (median of
-        6, interleaved); 16 tokens: 124 ms, of which the int8 products 95. Follow-up TTFT through the engine,
-        6 interleaved rounds: int8 0.149 against 0.158 s, bfloat16 0.210 against 0.220 (its 16-row products alone
-        take ~150 ms at 299 GFLOP/s: compute-bound on 2 cores)."""
+        transformers' forward spends a third as much again around them (docs/decisions.md, "The direct decode
+        step")."""
         count = tokens.shape[1]
         if count == 0:
             raise ValueError("extend needs at least one token: the last one's logits are the result")
@@ -227,8 +223,8 @@ class DirectDecodeStep:
         cos, signed_sin = cos[:, None], signed_sin[:, None]
         groups, last, attended = self.heads // self.kv_heads, len(self.layers), None
         # Each new token sees the cached ones and the new ones up to itself. Attention as decode does it, two batched
-        # products per key head with its query heads' rows stacked (no key heads expanded to the query heads):
-        # 10.1 ms over 28 layers at 16 rows after 225 (full-size int8, profiled) against 11.6 for SDPA.
+        # products per key head with its query heads' rows stacked (no key heads expanded to the query heads),
+        # which measured faster than SDPA at a follow-up's size.
         hidden_from = torch.ones(rows, end, dtype=torch.bool).tril(start).logical_not_().repeat(groups, 1)
         for index, (keys, values) in enumerate(zip(kv.keys, kv.values)):
             hidden, query, key, value = self._segment(index, hidden, attended, cos, signed_sin)

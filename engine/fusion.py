@@ -2,9 +2,7 @@
 
 Decode reads every weight once per token through batch-1 kernels, and each call pays its own start (thread team,
 activation quantization for int8) and reads a short matrix at a lower rate than a tall one. Stacked, a layer is
-4 products instead of 7. Measured on an AVX-512 BF16 EPYC, 2 threads, 28 layers of the language model's shapes,
-one process, interleaved rounds, p50 ms per token of products, 7 products a layer against 4: int8 (fbgemm)
-67.1 / 58.3 and 82.0 / 71.7 (two runs), float32 (oneDNN-packed) 204.2 / 198.8, bfloat16 145.9 / 138.4.
+4 products instead of 7, which measured faster in every precision (docs/decisions.md, "Stacked projections").
 
 transformers' attention and MLP still call q_proj, k_proj and v_proj (gate_proj, up_proj) one after another on the
 same tensor: each is a `StackedPart` that runs the stacked product at the first call and hands out its slice, and

@@ -66,10 +66,8 @@ def back_with_huge_pages(min_bytes: int = 4 * HUGE_PAGE) -> int:
     """Move the process's large anonymous regions (the weights, once loaded) onto 2 MB pages; returns the bytes
     now backed by huge pages.
 
-    Decode streams every weight once a token, and with 4 KB pages every 4 KB of it is one more TLB entry to find.
-    Measured on the AVX-512 BF16 EPYC, 2 threads, the language model's Linear shapes, the same weights on huge
-    pages against 4 KB ones in one process (30 interleaved rounds, median): int8 26.5 against 24.1 GB/s, float32
-    28.2 against 26.7, bfloat16 21.9 against 20.9. Distributions enable transparent huge pages only where a
+    Decode streams every weight once a token, and with 4 KB pages every 4 KB of it is one more TLB entry to find
+    (docs/decisions.md, "Huge pages after load"). Distributions enable transparent huge pages only where a
     program asks ("madvise"), and PyTorch asks only with THP_MEM_ALLOC_ENABLE=1 and only for its own allocations
     (fbgemm's int8 weights are not), so this asks the kernel for each region. Costs about 2.5 s per GB, once, at
     load. Where the kernel cannot (not Linux, older than 6.1, huge pages disabled) nothing changes."""

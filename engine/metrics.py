@@ -91,9 +91,8 @@ class PeakRss:
 
     On Linux the kernel keeps the high-water mark itself (VmHWM in /proc/self/status; writing 5 to
     /proc/self/clear_refs restarts it): exact, and nothing runs beside the block. Elsewhere a thread polls every
-    `interval_s`. The poller cost decode time: its wake-ups preempt one of the two compute threads, and a decode
-    step waits for its slowest thread (full-size int8, one process, 8 interleaved rounds: 91.5 ms/token p50 with a
-    5 ms poller, 80.2 without). One request runs at a time, so restarting the process-wide mark is this block's to
+    `interval_s`. The poller costs decode time: its wake-ups preempt one of the compute threads, and a decode
+    step waits for its slowest thread (docs/decisions.md). One request runs at a time, so restarting the process-wide mark is this block's to
     do; blocks do not nest."""
 
     def __init__(self, interval_s: float = 0.005, kernel_mark: bool = True):

@@ -4,15 +4,9 @@ Decode reads every weight once per token, so it is paid in bytes; prefill and th
 matmul rate. The two are chosen separately: decode-sized products (a few rows) go through the compact kernel,
 prefill-sized ones through a matmul in the model's compute dtype on weights widened for that one product.
 
-int8: on a stack of 28 Linear(2048, 6144) layers, batch 1, 2 threads, on an AVX-512 BF16 EPYC: bfloat16 29.5 ms
-per pass, torchao's Int8WeightOnlyConfig 91 ms, torchao's dynamic int8 504 ms, and PyTorch's own int8 weight
-kernel (aten._weight_int8pack_mm, the one gpt-fast uses) 13.0 ms. fbgemm's int8 x int8 product with per-token
-activation scales (VNNI) measured 1.75x that kernel on the model's shapes: Int8Linear uses it.
-
-bfloat16 weights, float32 compute: on an AVX2 EPYC with no bfloat16 instructions, per Linear(2048, 6144):
-256 rows take 112 ms in float32, 558 ms in bfloat16 and 127 ms widening bfloat16 weights to float32 first;
-one row takes 3.3 ms in float32, 2.4 ms in bfloat16 and 1.5 ms through the int8 kernel (bfloat16 activations;
-7.9 ms with float32 ones). So on such a CPU the model computes in float32 and keeps its weights compact.
+int8 runs as int8 x int8 through fbgemm, the fastest int8 product measured; where bfloat16 matmul is emulated, the
+model computes in float32 and keeps its weights compact. The kernels measured against each other are in
+docs/decisions.md ("Linear kernels", "What bfloat16 and int8 weights compute in").
 """
 from __future__ import annotations
 
@@ -25,7 +19,7 @@ from torch import nn
 
 KERNEL_DTYPE = torch.bfloat16  # activations of CompactLinear's decode-sized products
 # Above this many rows (prefill) CompactLinear widens its weight and runs one matmul in the compute dtype: the
-# small-product kernels are built for matrix-vector work (docs/performance.md has the figures).
+# small-product kernels are built for matrix-vector work (docs/decisions.md has the figures).
 DIRECT_ROWS = 16
 
 
@@ -87,10 +81,7 @@ class Int8Linear(nn.Module):
     The weight is packed once, at load, into fbgemm's layout; each call quantizes its activations row by row,
     multiplies in int8 with 32-bit sums (VNNI, or AMX where present) and returns float32 scaled back. Per-token
     activation scales keep one outlier token (the first one often is) from crushing the precision of the rest.
-
-    Measured on an AVX-512 VNNI EPYC, 2 threads, the language model's Linear shapes, batch 1: 24.9 GB/s of weights
-    read against 14.3 for aten._weight_int8pack_mm (int8 weights, bfloat16 activations) and 13.6 for bfloat16
-    F.linear; 256 rows: 639 GFLOP/s against bfloat16's 398."""
+    It reads the weights faster than any other int8 product measured (docs/decisions.md)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, split: bool | None = None):
         """split: keep fbgemm's 16-bit pair sums from saturating (a CPU without int8 dot products): one token's
@@ -196,12 +187,8 @@ class Bf16Linear(CompactLinear):
 
 class PackedLinear(nn.Module):
     """A float32 or bfloat16 Linear whose weight oneDNN reorders once, at load, into the blocked layout its
-    kernels stream; the plain copy is dropped, so memory stays one copy of the weight.
-
-    Measured on an AVX-512 BF16 EPYC, 2 threads, the language model's Linear shapes: batch 1, float32 26-28 GB/s
-    of weights read against F.linear's 14-15, bfloat16 18-21 against 13-14; 256 rows, float32 200 GFLOP/s against
-    128, bfloat16 the same as F.linear (408 against 398). Decode reads every weight once per token, so this is
-    decode's speed."""
+    kernels stream; the plain copy is dropped, so memory stays one copy of the weight. Decode reads every weight
+    once per token, and the packed layout reads nearly twice as fast as F.linear's (docs/decisions.md)."""
 
     def __init__(self, linear: nn.Linear, one_row_fp16: bool = False):
         """one_row_fp16: also keep fbgemm's float16 copy of a bfloat16 weight for one-row products (decode)."""
@@ -248,13 +235,9 @@ def fp16_packed(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor
     the weight leaves float16's range. float16 holds every bfloat16 value from 2**-14 to 65504 exactly (3 more
     mantissa bits, a narrower exponent); smaller ones round to float16's subnormals, off by at most 2**-25.
 
-    Why: decode reads every weight once per token. On an AVX-512 BF16 EPYC, 2 threads, the language model's
-    stacked shapes and LM head (3.44 GB a token), one process, interleaved: fbgemm's float16 product (float32
-    activations) 104 ms p50, 33.0 GB/s, against oneDNN's packed bfloat16 137 ms, 25.1 GB/s; a plain 2 GiB sum read
-    35.3 GB/s. At 256 rows it is the other way round, 188 against 430 GFLOP/s: prefill keeps the oneDNN copy, and
-    the language model's weights are held twice (3.4 GB more). Whole model, eager on this copy against the compiled
-    step, interleaved: the same greedy text, step p10 81 against 88 ms, load 44 against 68 s, follow-up TTFT 0.12
-    against 0.34 s (docs/bench/epyc-avx512-bf16/one-row-products)."""
+    Why: decode reads every weight once per token, and fbgemm's float16 product reads faster than oneDNN's packed
+    bfloat16 for one row; from two rows up it is the other way round, so prefill keeps the oneDNN copy and the
+    language model's weights are held twice (docs/decisions.md, "bfloat16 decodes on a float16 copy")."""
     if not fp16_products_work() or not bool(weight.abs().max() <= torch.finfo(torch.float16).max):
         return None
     with _quantized_engine("fbgemm"):

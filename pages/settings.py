@@ -14,7 +14,7 @@ if not is_admin():
     st.json({k: ("(set)" if k == "remote_api_key" and v else v) for k, v in vars(current).items()}, expanded=False)
     st.stop()
 st.caption("Defaults come from `.streamlit/secrets.toml` ([vlscope] table) and `VLSCOPE_*` environment variables. "
-           "Changes here apply to every session of this server until it restarts.")
+           "Changes here apply to everyone using this server until it restarts.")
 
 with st.form("settings_form"):
     model = st.text_input("Model (hub id, folder with weights, or skeleton folder)", current.model, key="set_model")
