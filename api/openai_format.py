@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from engine import ChatRequest, RequestMetrics, Turn
+from engine.documents import Document, is_pdf
 
 
 class ApiError(Exception):
@@ -24,7 +25,9 @@ def unsupported(param: str, message: str) -> ApiError:
     return ApiError(400, message, code="unsupported_parameter", param=param)
 
 
-def _content(content, fetch_image) -> tuple[str, tuple[bytes, ...]]:
+def _content(content, fetch_image, max_pages: int | None = None) -> tuple[str, tuple]:
+    """A message's text and its attachments: images as bytes, PDF `file` parts as Documents (PDF data URLs in
+    image_url parts are found by their content downstream)."""
     if isinstance(content, str):
         return content, ()
     if not isinstance(content, list):
@@ -39,10 +42,29 @@ def _content(content, fetch_image) -> tuple[str, tuple[bytes, ...]]:
             url = source.get("url") if isinstance(source, dict) else source
             if not isinstance(url, str):
                 raise ApiError(400, "image_url parts need an image_url.url string")
-            images.append(fetch_image(url))
+            data = fetch_image(url)
+            images.append(Document(data, "document.pdf", max_pages=max_pages) if is_pdf(data) else data)
+        elif kind == "file":
+            images.append(_file_part(part.get("file"), fetch_image, max_pages))
         else:
-            raise ApiError(400, f"unsupported content part {kind!r}: use text and image_url parts")
+            raise ApiError(400, f"unsupported content part {kind!r}: use text, image_url and file parts")
     return "\n".join(texts), tuple(images)
+
+
+def _file_part(file, fetch_image, max_pages: int | None):
+    """OpenAI's `file` part, `{"file": {"filename": ..., "file_data": "data:application/pdf;base64,..."}}`: PDFs only."""
+    if not isinstance(file, dict) or not isinstance(file.get("file_data"), str):
+        raise ApiError(400, "file parts need file.file_data, a data: URL (uploaded file ids are not kept here)",
+                       param="messages")
+    name = file.get("filename") if isinstance(file.get("filename"), str) else "document.pdf"
+    data_url = file["file_data"]
+    if not data_url.startswith("data:"):
+        raise ApiError(400, "file.file_data must be a data: URL (data:application/pdf;base64,...)", param="messages")
+    data = fetch_image(data_url)
+    if not is_pdf(data):
+        raise ApiError(400, f"{name[:100]}: file parts take PDF documents; send pictures as image_url parts",
+                       code="invalid_image", param="messages")
+    return Document(data, name[:100], max_pages=max_pages)
 
 
 def _number(body: dict, name: str, kind, low, high, inclusive_low=True):
@@ -101,12 +123,13 @@ def to_chat_request(body: dict, fetch_image, max_tokens_cap: int, allow_ignore_e
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list", param="messages")
+    max_pages = _number(body, "max_pages", int, 1, 1000)  # vlscope's extension: at most this many pages a document
     parsed = []
     for message in messages:
         if not isinstance(message, dict) or message.get("role") not in ROLES:
             raise ApiError(400, "each message needs a role of system, developer, user or assistant", param="messages")
         role = ROLES[message["role"]]
-        text, images = _content(message.get("content", ""), fetch_image)
+        text, images = _content(message.get("content", ""), fetch_image, max_pages)
         if images and role != "user":
             raise ApiError(400, "only user messages may carry images", param="messages")
         parsed.append((role, text, images))

@@ -82,8 +82,7 @@ def cmd_check_images(args) -> int:
     config = EngineConfig.from_env()
     all_ok = True
     for name in args.files:
-        verdict = check_image(name, min_pixels=config.min_pixels, max_pixels=config.max_pixels,
-                              max_image_pixels=config.max_image_pixels, max_bytes=config.max_image_bytes)
+        verdict = check_image(name, config)
         all_ok &= verdict["ok"]
         print(json.dumps(verdict), flush=True)
     return 0 if all_ok else 2

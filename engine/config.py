@@ -73,6 +73,8 @@ class EngineConfig:
     max_image_bytes: int = 50 * 1024 * 1024
     # All images of one request together, read from their headers before any is decoded.
     max_request_pixels: int = 128_000_000
+    # Pages of PDFs (and multi-page TIFFs) one request may carry; each page is one image to the model.
+    max_pdf_pages: int = 8
     # Memory a request may use beyond the weights; 0: whatever the machine has available when it starts.
     memory_limit_bytes: int = 0
     # A remote OpenAI-compatible server instead of a local model (e.g. http://host:8000/v1): vLLM, llama.cpp,
@@ -106,6 +108,8 @@ class EngineConfig:
             raise ValueError("max_queue must be >= 0")
         if self.max_batch < 1:
             raise ValueError("max_batch must be at least 1")
+        if self.max_pdf_pages < 1:
+            raise ValueError("max_pdf_pages must be at least 1")
 
     @property
     def max_vision_tokens(self) -> int:

@@ -33,6 +33,7 @@ from .errors import (
 from .direct_step import DirectDecodeStep
 from .generate import (DecodeState, Sampler, attach_step, decode_batch, decode_one_token, detach_step,
                        encode_images_in_pieces, prefill, prefill_text)
+from .documents import expand_documents
 from .images import load_request_images
 from .inputs import check_memory, check_text, control_tokens, ocr_pictures, prepare_input
 from .memory import back_with_huge_pages
@@ -50,7 +51,6 @@ from .trace import (
     DECODE,
     DETOKENIZE,
     ERROR,
-    LOAD_IMAGES,
     OCR_ENHANCE,
     OK,
     PREFILL,
@@ -255,8 +255,10 @@ class Engine(StreamingMixin):
         job.trace = trace = RequestTrace(job, self.info, self.config, self.store)
         try:
             check_text(request, self._control_tokens)
-            with trace.stage(LOAD_IMAGES, announce=False):
-                job.images = load_request_images(request, self.config, admit=self._queue.check_room)
+            with trace.loading_images() as clock:
+                # A document's pages are counted and sized first, then rendered as each request's images are decoded.
+                job.request = request = expand_documents(request, self.config)
+                job.images = load_request_images(request, self.config, admit=self._queue.check_room, clock=clock)
             job.on_cancel = self._on_cancel
             self._queue.submit(job)
         except (InvalidImage, InvalidPrompt, PromptTooLong, Busy) as exc:

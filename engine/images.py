@@ -12,13 +12,16 @@ import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 from PIL import Image, ImageFile, ImageFilter, ImageOps, UnidentifiedImageError
 
 from .config import PIXELS_PER_VISION_TOKEN
 from .errors import InvalidImage, PromptTooLong
+
+if TYPE_CHECKING:
+    from .documents import Page, RenderClock
 
 # Truncated files are refused, never padded with grey.
 ImageFile.LOAD_TRUNCATED_IMAGES = False
@@ -30,9 +33,11 @@ MAX_ASPECT_RATIO = 200  # the vision tower's limit
 @dataclass(frozen=True)
 class LoadedImage:
     image: Image.Image  # RGB, EXIF orientation applied
-    original_size: tuple[int, int]  # (width, height) as stored in the file
+    original_size: tuple[int, int]  # (width, height) as stored in the file; a document page: as rendered
     format: str
     sha256: str
+    page: int | None = None  # a document's page: its number
+    document: str | None = None  # and the document's name
 
 
 def _read_source(source, max_bytes: int) -> tuple[bytes | None, Image.Image | None, str]:
@@ -74,7 +79,8 @@ class ImageHeader:
     size: tuple[int, int]  # (width, height) as stored
     format: str
     data: bytes | None  # the file's bytes; None for a PIL image handed in
-    image: Image.Image  # opened, not decoded
+    image: Image.Image | None  # opened, not decoded; None for a document's page
+    page: "Page | None" = None  # a document's page (engine/documents.py), rendered when decoded
 
 
 # One image decodes at a time in the whole process: concurrent requests cannot multiply the peak of a large one.
@@ -84,6 +90,16 @@ _DECODE_LOCK = threading.Lock()
 def read_header(source, *, max_pixels: int, max_bytes: int, name: str | None = None) -> ImageHeader:
     """Open an image and check what its header declares (size, aspect, pixel count), decoding nothing. Raises
     InvalidImage with a readable reason, naming `name`."""
+    from .documents import Page
+
+    if isinstance(source, Page):
+        width, height = source.size
+        if max(width, height) / min(width, height) > MAX_ASPECT_RATIO:
+            raise InvalidImage(f"{source.name}: aspect ratio {width}x{height} is too extreme (over {MAX_ASPECT_RATIO}:1)")
+        if width * height > max_pixels:
+            raise InvalidImage(f"{source.name}: {width}x{height} is {width * height / 1e6:.0f} megapixels, over the "
+                               f"{max_pixels / 1e6:.0f} megapixel limit")
+        return ImageHeader(source.name, source.size, source.document.kind, None, None, source)
     data, image, source_name = _read_source(source, max_bytes)
     name = name or source_name
     with _readable(name, max_pixels):
@@ -103,10 +119,17 @@ def read_header(source, *, max_pixels: int, max_bytes: int, name: str | None = N
         return ImageHeader(name, (width, height), image.format or "unknown", data, image)
 
 
-def decode(header: ImageHeader, budget_pixels: int | None = None) -> LoadedImage:
+def decode(header: ImageHeader, budget_pixels: int | None = None, clock: "RenderClock | None" = None) -> LoadedImage:
     """Decode one image to RGB (EXIF orientation applied). With `budget_pixels` (what the model will see), an image
     far larger is decoded smaller where the format allows it (JPEG's DCT scaling) and reduced right after decoding,
     before it is widened to RGB, so its full-size RGB copy never exists; it keeps at least twice the budget's side."""
+    if header.page is not None:
+        from .documents import RenderClock
+
+        with _DECODE_LOCK, _readable(header.name, header.size[0] * header.size[1]):
+            rgb = to_rgb((clock or RenderClock()).render(header.page))
+        return LoadedImage(image=rgb, original_size=rgb.size, format=header.format, sha256=header.page.sha256,
+                           page=header.page.number, document=header.page.document.name)
     image, name = header.image, header.name
     width, height = header.size
     with _DECODE_LOCK, _readable(name, width * height):
@@ -161,11 +184,12 @@ def load_image(source, *, max_pixels: int, max_bytes: int, name: str | None = No
     return decode(read_header(source, max_pixels=max_pixels, max_bytes=max_bytes, name=name))
 
 
-def load_request_images(request, config, admit: Callable[[], None] | None = None) -> list[LoadedImage]:
+def load_request_images(request, config, admit: Callable[[], None] | None = None,
+                        clock: "RenderClock | None" = None) -> list[LoadedImage]:
     """Every image of a conversation, earlier turns first. The request is admitted from the images' headers before
     any is decoded: each image's and the request's pixels, its vision tokens against the prompt limit, and then
     `admit()` (the queue's room, say), which raises to turn it away. Then one image at a time is decoded, at the size
-    the token budget allows."""
+    the token budget allows. A document's pages (documents.expand_documents) are rendered here, timed by `clock`."""
     sources = [source for turn in request.history for source in turn.images] + list(request.images)
     headers = [read_header(source, max_pixels=config.max_image_pixels, max_bytes=config.max_image_bytes)
                for source in sources]
@@ -181,7 +205,7 @@ def load_request_images(request, config, admit: Callable[[], None] | None = None
                             "Send fewer or smaller images, or lower the image token budget.")
     if admit is not None:
         admit()
-    return [decode(header, config.max_pixels) for header in headers]
+    return [decode(header, config.max_pixels, clock) for header in headers]
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
@@ -275,16 +299,33 @@ def deskew(grey: Image.Image, max_angle: float = 5.0, step: float = 0.5) -> Imag
     return grey.rotate(best_angle, resample=Image.BICUBIC, expand=True, fillcolor=255)
 
 
-def check_image(source, *, min_pixels: int, max_pixels: int, max_image_pixels: int, max_bytes: int) -> dict:
-    """The verdict `check-images` prints: accepted with sizes and token count, or refused with the reason."""
+def check_image(source, config) -> dict:
+    """The verdict `check-images` prints: accepted with sizes and token counts (a document: its pages, those a
+    request would read, and each one's size and tokens), or refused with the reason."""
+    from .documents import RenderClock, as_document, pick_pages
+
     name = str(source) if isinstance(source, (str, Path)) else "upload"
     try:
-        loaded = load_image(source, max_pixels=max_image_pixels, max_bytes=max_bytes)
-    except InvalidImage as exc:
+        document = as_document(source, config.max_image_bytes)
+        if document is not None:
+            pages = pick_pages(document, config)
+            clock = RenderClock()
+            for page in pages:  # a page that cannot be rendered is found here, not at the first question
+                decode(read_header(page, max_pixels=config.max_image_pixels, max_bytes=config.max_image_bytes),
+                       clock=clock)
+            resized = [fit_to_budget(*page.size, config.min_pixels, config.max_pixels) for page in pages]
+            return {"file": name, "ok": True, "format": document.kind, "pages": pages[0].count,
+                    "read_pages": [page.number for page in pages],
+                    "page_sizes": [[round(side, 1) for side in page.points] for page in pages],
+                    "rendered": [list(page.size) for page in pages], "resized": [list(size) for size in resized],
+                    "vision_tokens": [vision_token_count(size) for size in resized],
+                    "render_s": round(clock.seconds, 3)}
+        loaded = load_image(source, max_pixels=config.max_image_pixels, max_bytes=config.max_image_bytes)
+    except (InvalidImage, PromptTooLong) as exc:
         return {"file": name, "ok": False, "error": exc.message}
     except Exception as exc:  # the verdict is always printed, whatever the input
         return {"file": name, "ok": False, "error": f"{type(exc).__name__}: {exc}"}
-    resized = fit_to_budget(*loaded.image.size, min_pixels, max_pixels)
+    resized = fit_to_budget(*loaded.image.size, config.min_pixels, config.max_pixels)
     return {
         "file": name,
         "ok": True,

@@ -43,6 +43,7 @@ class RequestMetrics:
     token_latencies_s: tuple[float, ...] = ()  # every decode step after the first token
     decode_batch_sizes: tuple[int, ...] = ()  # how many sequences each of those steps advanced together
     paused_s: float = 0.0  # time its decode waited while other requests were admitted (their encode and prefill)
+    document_pages: tuple[dict, ...] = ()  # each document page read: document, page, rendered size, vision tokens
     ttft_s: float | None = None  # submission to first token text
     decode_tokens_per_s: float | None = None
     finish_reason: str | None = None  # stop (an end token or stop string) or length (max_new_tokens reached)
@@ -79,6 +80,7 @@ class RequestMetrics:
             values[key] = tuple(tuple(size) for size in values.get(key, ()))
         values["token_latencies_s"] = tuple(values.get("token_latencies_s", ()))
         values["decode_batch_sizes"] = tuple(values.get("decode_batch_sizes", ()))
+        values["document_pages"] = tuple(values.get("document_pages", ()))
         return cls(**values)
 
 

@@ -23,6 +23,7 @@ from .errors import (
     PromptTooLong,
     VlscopeError,
 )
+from .documents import expand_documents
 from .images import load_request_images
 from .metrics import current_rss
 from .request import ChatRequest, TextChunk
@@ -32,7 +33,6 @@ from .trace import (
     CANCELLED,
     DECODE,
     ERROR,
-    LOAD_IMAGES,
     OK,
     REFUSED,
     SERVER_FIRST_TOKEN,
@@ -89,8 +89,9 @@ class RemoteEngine(StreamingMixin):
         job = Job(uuid.uuid4().hex, request)
         job.trace = trace = RequestTrace(job, self.info, self.config, self.store)
         try:
-            with trace.stage(LOAD_IMAGES, announce=False):
-                job.images = load_request_images(request, self.config, admit=self._check_room)
+            with trace.loading_images() as clock:
+                job.request = request = expand_documents(request, self.config)
+                job.images = load_request_images(request, self.config, admit=self._check_room, clock=clock)
             with self._lock:
                 self._check_room()
                 self._in_flight += 1

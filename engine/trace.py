@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .images import fit_to_budget
+from .images import fit_to_budget, vision_token_count
 from .metrics import RequestMetrics, current_rss
 from .request import StageStarted
 
@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
 # Stage names in the order a request meets them. Every stage is timed apart; their sum never exceeds e2e_s.
 LOAD_IMAGES = "load_images"
+RENDER_PAGES = "render_pages"  # a document's pages rasterized (PDFium), apart from load_images
 UPLOAD = "upload"  # remote engine: sending the request until the server's response begins
 OCR_ENHANCE = "ocr_enhance"
 PREPROCESS = "preprocess"
@@ -41,7 +42,7 @@ PREFILL = "prefill"
 SERVER_FIRST_TOKEN = "server_first_token"  # remote engine: the server's vision, prefill and first token, as seen
 DECODE = "decode"
 DETOKENIZE = "detokenize"
-STAGES = (LOAD_IMAGES, UPLOAD, OCR_ENHANCE, PREPROCESS, VISION_ENCODE, PREFILL, SERVER_FIRST_TOKEN, DECODE, DETOKENIZE)
+STAGES = (LOAD_IMAGES, RENDER_PAGES, UPLOAD, OCR_ENHANCE, PREPROCESS, VISION_ENCODE, PREFILL, SERVER_FIRST_TOKEN, DECODE, DETOKENIZE)
 QUEUE_WAIT = "queue_wait"  # not a stage of the record's `stages`: its own field, shown beside them in charts
 
 # ok; cancelled (by the caller); error; refused (bad input, busy, too long or too big, before any model compute);
@@ -80,6 +81,27 @@ class RequestTrace:
         self.answer: str | None = None
         self.server_metrics: dict | None = None
         self.rss_bytes: tuple[int, int, int] | None = None  # before, peak, after; None: one reading at the end
+        self.document_pages: tuple[dict, ...] = ()
+
+    @contextmanager
+    def loading_images(self):
+        """The load_images stage, with the pages of any document rendered inside it told apart as render_pages:
+        yields the clock that times them."""
+        from .documents import RenderClock
+
+        clock = RenderClock()
+        started = time.perf_counter()
+        try:
+            yield clock
+        finally:
+            self.add(LOAD_IMAGES, time.perf_counter() - started - clock.seconds)
+            if clock.pages:
+                self.add(RENDER_PAGES, clock.seconds)
+                self.document_pages = tuple(
+                    {"document": image.document, "page": image.page, "rendered": list(image.original_size),
+                     "vision_tokens": vision_token_count(fit_to_budget(*image.original_size, self.config.min_pixels,
+                                                                       self.config.max_pixels))}
+                    for image in self.job.images if image.page is not None)
 
     # ---- stages ---------------------------------------------------------------------------------------------------
 
@@ -165,6 +187,7 @@ class RequestTrace:
             token_latencies_s=self.token_latencies_s,
             decode_batch_sizes=self.decode_batch_sizes,
             paused_s=self.paused_s,
+            document_pages=self.document_pages,
             ttft_s=self.ttft_s,
             decode_tokens_per_s=self.decode_tokens_per_s,
             finish_reason=self.finish_reason,

@@ -1,4 +1,4 @@
-"""Chat page: pick or upload an image, ask, watch the answer stream, see what it cost."""
+"""Chat page: pick or upload an image or a PDF, ask, watch the answer stream, see what it cost."""
 import io
 import logging
 from pathlib import Path
@@ -10,10 +10,13 @@ from engine.images import load_image
 from engine.trace import RUNNING
 from ui.engine_resource import get_engine
 from ui.conversation import PRESETS, ChatTurn, build_request, images_to_attach, stats_line, transcript
+from engine.documents import Document
+from ui.documents import document_of, page_picker
+from ui.documents import preview as page_preview
 
 log = logging.getLogger(__name__)
 SAMPLES = Path(__file__).resolve().parent.parent / "samples"
-UPLOAD_TYPES = ["jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff"]
+UPLOAD_TYPES = ["jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff", "pdf"]
 
 st.title("Chat")
 loaded = get_engine(show_problems=False)
@@ -37,12 +40,14 @@ def thumbnail(data: bytes, max_pixels: int, max_bytes: int, name: str = "image")
     return buffer.getvalue(), None
 
 
-def preview(data: bytes) -> bytes | None:
+def preview(data: bytes | Document) -> bytes | None:
+    if isinstance(data, Document):
+        return page_preview(data, engine.config)
     return thumbnail(data, engine.config.max_image_pixels, engine.config.max_image_bytes)[0]
 
 
 upload_column, sample_column, option_column = st.columns([3, 2, 2])
-uploads = upload_column.file_uploader("Upload image(s)", type=UPLOAD_TYPES, accept_multiple_files=True,
+uploads = upload_column.file_uploader("Upload images or PDFs", type=UPLOAD_TYPES, accept_multiple_files=True,
                                       key="image_upload")
 sample_names = ["(none)"] + sorted(p.name for p in SAMPLES.iterdir() if p.suffix in (".png", ".jpg"))
 sample = sample_column.selectbox("…or a sample", sample_names, key="sample_image")
@@ -58,6 +63,11 @@ else:
     picked = []
 current = []
 for name, data in picked:
+    if document_of(data, engine.config.max_image_bytes):
+        document = page_picker(upload_column, name, data, engine.config)
+        if document is not None:
+            current.append((name, document))
+        continue
     image, problem = thumbnail(data, engine.config.max_image_pixels, engine.config.max_image_bytes, name)
     if problem:
         upload_column.error(f"Not used: {problem}", icon=":material/broken_image:")

@@ -5,7 +5,8 @@ import hashlib
 from dataclasses import dataclass, field
 
 from engine import ChatRequest, RequestMetrics, Turn
-from engine.trace import OK
+from engine.documents import Document
+from engine.trace import OK, RENDER_PAGES
 
 GIB = 1 << 30
 
@@ -20,14 +21,20 @@ PRESETS = {
 class ChatTurn:
     role: str
     text: str
-    images: list[tuple[str, bytes]] = field(default_factory=list)  # (name, file bytes)
+    images: list[tuple[str, bytes | Document]] = field(default_factory=list)  # (name, file bytes or a document's pages)
     stats: str | None = None
     error: bool = False
     request_id: str | None = None  # a stopped answer's request: its stats line comes from its record once written
 
 
-def image_digest(images: list[tuple[str, bytes]]) -> str:
-    return hashlib.sha256(b"".join(hashlib.sha256(data).digest() for _, data in images)).hexdigest()
+def _identity(data: bytes | Document) -> bytes:
+    if isinstance(data, Document):
+        return hashlib.sha256(data.data).digest() + repr(data.pages).encode()
+    return hashlib.sha256(data).digest()
+
+
+def image_digest(images: list[tuple[str, bytes | Document]]) -> str:
+    return hashlib.sha256(b"".join(_identity(data) for _, data in images)).hexdigest()
 
 
 def images_to_attach(turns: list[ChatTurn], current: list[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
@@ -58,6 +65,8 @@ def stats_line(metrics: RequestMetrics) -> str:
         parts.append(f"{metrics.decode_tokens_per_s:.1f} tok/s")
     parts.append(f"total {metrics.e2e_s:.1f} s")
     parts.append(f"{metrics.vision_tokens} vision tokens")
+    if RENDER_PAGES in metrics.stages:
+        parts.append(f"{len(metrics.document_pages)} pages rendered in {metrics.stages[RENDER_PAGES]:.2f} s")
     parts.append(f"peak RSS {metrics.rss_peak_bytes / GIB:.2f} GiB")
     if metrics.status != OK:
         parts.append(metrics.status)
