@@ -260,3 +260,35 @@ def test_concurrency_series_counts_overlapping_answers():
     assert series["active"].max() == 2 and series["active"].iloc[-3] == 1
     assert series["active"].iloc[12] == 0  # between the pair and the last one
     assert [trace.name for trace in concurrency_chart([]).data] == ["answers decoding at once", "tokens/s, all answers"]
+
+
+def test_a_pdf_upload_picks_its_pages_and_the_answer_names_the_render(app_env, images_dir):
+    import hashlib
+
+    from . import pdfs
+
+    data = pdfs.from_images([images_dir / "page.png", images_dir / "text.png", images_dir / "coffee.png"])
+    at = start()
+    at.file_uploader(key="image_upload").set_value(("scan.pdf", data, "application/pdf"))
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    key = hashlib.sha256(data).hexdigest()[:12]
+    assert at.number_input(key=f"first_page_{key}").value == 1 and at.number_input(key=f"last_page_{key}").value == 3
+    assert any("pages 1-3 of 3" in caption.value for caption in at.caption)
+    at.number_input(key=f"first_page_{key}").set_value(2).run()
+    assert any("pages 2-3 of 3" in caption.value for caption in at.caption)
+    ask(at, "What do these pages say?")
+    (answer,) = assistant_messages(at)
+    assert "2 pages rendered in" in answer.caption[0].value
+    record = MetricsStore(app_env).recent(1, include_warmup=False)[0]
+    assert record.status == "ok" and [page["page"] for page in record.document_pages] == [2, 3]
+
+
+def test_a_locked_pdf_upload_says_why_and_sends_nothing(app_env):
+    from . import pdfs
+
+    at = start()
+    at.file_uploader(key="image_upload").set_value(("locked.pdf", pdfs.encrypted(), "application/pdf"))
+    at.run()
+    assert not at.exception
+    assert any("password-protected" in error.value for error in at.error)
