@@ -66,7 +66,9 @@ for name, data in picked:
     if document_of(data, engine.config.max_image_bytes):
         document = page_picker(upload_column, name, data, engine.config)
         if document is not None:
-            current.append((name, document))
+            pages = document.pages
+            current.append((f"{name}, page{'s' if len(pages) > 1 else ''} {pages[0]}"
+                            + (f"-{pages[-1]}" if len(pages) > 1 else ""), document))
         continue
     image, problem = thumbnail(data, engine.config.max_image_pixels, engine.config.max_image_bytes, name)
     if problem:

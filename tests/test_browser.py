@@ -151,3 +151,41 @@ def test_two_sessions_stream_their_answers_at_the_same_time(long_answer_server, 
     assert all(2 in r.decode_batch_sizes for r in records), [r.decode_batch_sizes[:5] for r in records]
     first, second = sorted(records, key=lambda r: r.submitted_at)
     assert second.started_at < first.finished_at  # the second began before the first had answered
+
+
+def test_pdf_pages_picked_asked_and_profiled(server, images_dir, tmp_path):
+    """A 3-page PDF attached on the chat page, pages 2-3 picked, an answer streamed with the render stage in its
+    stats line, and the request's render_pages stage on the Profiling page."""
+    from playwright.sync_api import expect, sync_playwright
+
+    from . import pdfs
+
+    pdf = tmp_path / "scan.pdf"
+    pdf.write_bytes(pdfs.from_images([images_dir / "page.png", images_dir / "text.png", images_dir / "coffee.png"]))
+    url, db = server
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1100})
+        page.goto(url, wait_until="domcontentloaded")
+        expect(page.get_by_role("heading", name="Chat")).to_be_visible(timeout=120_000)
+        page.locator('[data-testid="stFileUploaderDropzoneInput"]').set_input_files(str(pdf))
+        expect(page.get_by_text("pages 1-3 of 3")).to_be_visible(timeout=60_000)
+        first = page.get_by_label("scan.pdf: first page")
+        first.fill("2")
+        first.press("Enter")
+        expect(page.get_by_text("pages 2-3 of 3")).to_be_visible(timeout=30_000)
+        expect(page.get_by_text("p. 2 ·")).to_be_visible()
+        ask(page, expect, "What do these pages say?")
+        assistant = page.get_by_test_id("stChatMessage").nth(1)
+        expect(assistant.get_by_text("2 pages rendered in")).to_be_visible(timeout=120_000)
+        page.screenshot(path=str(tmp_path / "chat-pdf.png"), full_page=True)
+        if os.environ.get("VLSCOPE_SCREENSHOTS"):
+            shutil.copy(tmp_path / "chat-pdf.png", Path(os.environ["VLSCOPE_SCREENSHOTS"]) / "chat-pdf.png")
+        record = MetricsStore(db).recent(1, include_warmup=False)[0]
+        assert record.status == "ok" and [p["page"] for p in record.document_pages] == [2, 3]
+
+        page.get_by_role("link", name="Profiling").click()
+        chart = page.locator(".js-plotly-plot").first
+        expect(chart).to_be_visible(timeout=30_000)
+        expect(chart.get_by_text("render_pages").first).to_be_visible(timeout=30_000)  # the stage in the legend
+        browser.close()
