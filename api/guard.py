@@ -1,6 +1,7 @@
-"""What the server checks before any route runs: that API calls name one of this server's hosts (a DNS rebinding
-guard), that browsers call it only from allowed origins, that they carry one of the API keys when keys are set,
-and that uploads to the app wait for sign-in.
+"""What the server checks before any route runs: that every request, the app's page, websocket, uploads and media
+as well as the API, names one of this server's hosts (a DNS rebinding guard) and comes from an allowed origin when
+a browser sends one; that API calls carry one of the API keys when keys are set; and that uploads to the app wait
+for sign-in.
 
 An ASGI middleware around the whole st.App, so it sees Streamlit's routes (the upload endpoint) as well as ours."""
 from __future__ import annotations
@@ -76,21 +77,23 @@ class ServerGuard:
         self.names = machine_names()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
+        if scope["type"] not in ("http", "websocket"):
             return await self.app(scope, receive, send)
         path: str = scope["path"]
         headers = Headers(scope=scope)
+        settings = self.settings()
+        host = headers.get("host", "")
         error = None
-        if path.startswith(API_PREFIXES):
-            settings = self.settings()
-            host = headers.get("host", "")
-            if not host_allowed(host, settings.allowed_hosts, self.names):
-                error = ApiError(403, f"this server does not answer to the host {_host_name(host)!r}; add it to "
-                                      "VLSCOPE_ALLOWED_HOSTS", "permission_error", "host_not_allowed")
-            elif not origin_allowed(headers.get("origin", ""), host, settings.allowed_origins):
-                error = ApiError(403, "cross-origin requests from this web page are refused; allow its origin in "
-                                      "VLSCOPE_ALLOWED_ORIGINS", "permission_error", "origin_not_allowed")
-            elif headers.get("origin") and scope["method"] == "OPTIONS":
+        if not host_allowed(host, settings.allowed_hosts, self.names):
+            error = ApiError(403, f"this server does not answer to the host {_host_name(host)!r}; add it to "
+                                  "VLSCOPE_ALLOWED_HOSTS", "permission_error", "host_not_allowed")
+        elif not origin_allowed(headers.get("origin", ""), host, settings.allowed_origins):
+            error = ApiError(403, "cross-origin requests from this web page are refused; allow its origin in "
+                                  "VLSCOPE_ALLOWED_ORIGINS", "permission_error", "origin_not_allowed")
+        elif scope["type"] == "websocket":
+            return await self.app(scope, receive, send)
+        elif path.startswith(API_PREFIXES):
+            if headers.get("origin") and scope["method"] == "OPTIONS":
                 return await _preflight(headers.get("origin"), send)
             else:
                 if headers.get("origin"):  # a browser may read the answer, a 401 included
@@ -105,6 +108,9 @@ class ServerGuard:
         if error is None:
             return await self.app(scope, receive, send)
         response = await self.refuse(error, path)
+        if scope["type"] == "websocket":  # closed before it is accepted: the server answers the handshake 403
+            await send({"type": "websocket.close", "code": 1008})
+            return
         await response(scope, receive, send)
 
 

@@ -54,13 +54,18 @@ _counters: dict[str, Counters] = {}
 
 
 def render(store: MetricsStore, queue_depth: int, weight_bytes: int, ready: bool, active: int = 0,
-           batch_limit: int = 0) -> str:
+           batch_limit: int = 0, guard_refusals: dict[str, int] | None = None) -> str:
     counters = _counters.setdefault(str(store.path), Counters())
     counters.fold(store)
     lines = ["# HELP vlscope_requests_total Requests recorded, by status and source.",
              "# TYPE vlscope_requests_total counter"]
     for (status, source), count in sorted(counters.requests.items()):
         lines.append(f"vlscope_requests_total{_labels(status=status, source=source)} {count}")
+    lines += ["# HELP vlscope_guard_refusals_total Requests the server guard turned away (bad keys, foreign hosts), "
+              "each counted; only the first of a kind in a minute is recorded.",
+              "# TYPE vlscope_guard_refusals_total counter"]
+    lines += [f"vlscope_guard_refusals_total{_labels(kind=kind)} {count}"
+              for kind, count in sorted((guard_refusals or {}).items())]
     lines += ["# HELP vlscope_stage_seconds Seconds per request stage.", "# TYPE vlscope_stage_seconds histogram"]
     for series in SERIES:
         for bound, count in zip(BUCKETS, counters.buckets[series]):

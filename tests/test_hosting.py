@@ -205,6 +205,11 @@ def test_wrong_passwords_lock_out_and_settings_need_an_admin(app_on_tiny, tiny_m
         at.text_input(key="sign_in_password").set_value("team")
         at.button(key="sign_in_submit").click().run()
         assert any("Too many failed attempts" in e.value for e in at.error)  # even the right one waits now
+        # ...in that browser only: a colleague's session signs in at once
+        colleague = app_on_tiny().run()
+        colleague.text_input(key="sign_in_password").set_value("team")
+        colleague.button(key="sign_in_submit").click().run()
+        assert colleague.chat_input(key="chat_prompt") and not colleague.error
         ui.access._failures.clear()
         at.text_input(key="sign_in_password").set_value("team")
         at.button(key="sign_in_submit").click().run()

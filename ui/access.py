@@ -1,8 +1,8 @@
 """Who may use the app and who may change it.
 
 Sign-in: Streamlit's OIDC (`st.login`) when an [auth] table is in secrets, else the shared app_password setting,
-else none (open). Failed passwords are slowed down, counted across sessions, locked out for a while when they pile
-up, and logged. Admins (who may change the Settings page): with sign-in off, everyone; with it on, the emails in
+else none (open). Failed passwords are slowed down and counted per browser session and per client address; when
+they pile up, that session or address (only) is locked out for a while, and the lockout is logged. Admins (who may change the Settings page): with sign-in off, everyone; with it on, the emails in
 the admins setting, or whoever enters admin_password.
 """
 from __future__ import annotations
@@ -21,8 +21,8 @@ from server.slot import server_settings
 log = logging.getLogger(__name__)
 
 FAILURE_WINDOW_S = 300.0
-LOCKOUT_AFTER = 10  # failed passwords within the window, from any session: further attempts wait until it clears
-_failures: deque[float] = deque()
+LOCKOUT_AFTER = 10  # failed passwords within the window from one session or one address: its attempts then wait
+_failures: dict[str, deque[float]] = {}  # "session:<id>" or "address:<ip>" -> times of its failed attempts
 _failures_lock = threading.Lock()
 
 
@@ -39,25 +39,60 @@ def _mark_signed_in() -> None:
         mark_signed_in(session_id)
 
 
-def _recent_failures() -> int:
+def _who() -> list[str]:
+    """The keys a failed attempt counts under: this browser session and the client's address, where known."""
+    keys = []
+    session_id = _session_id()
+    if session_id:
+        keys.append(f"session:{session_id}")
+    try:
+        address = st.context.ip_address
+    except Exception:  # no request context (AppTest): the session alone
+        address = None
+    if address:
+        keys.append(f"address:{address}")
+    return keys or ["session:unknown"]
+
+
+def _recent(key: str, now: float) -> deque[float]:
+    times = _failures.setdefault(key, deque())
+    while times and now - times[0] > FAILURE_WINDOW_S:
+        times.popleft()
+    return times
+
+
+def _locked_for(keys: list[str]) -> float:
+    """Seconds until these keys may try again; 0 when none is locked out."""
+    now = time.monotonic()
     with _failures_lock:
-        while _failures and time.monotonic() - _failures[0] > FAILURE_WINDOW_S:
-            _failures.popleft()
-        return len(_failures)
+        waits = [FAILURE_WINDOW_S - (now - times[0]) for times in (_recent(key, now) for key in keys)
+                 if len(times) >= LOCKOUT_AFTER]
+    return max(waits, default=0.0)
 
 
 def _check_password(entered: str, expected: str, what: str) -> bool:
-    """Constant-time compare; a failure waits longer the more failures there were lately, and is logged."""
-    if _recent_failures() >= LOCKOUT_AFTER:
-        wait = FAILURE_WINDOW_S - (time.monotonic() - _failures[0])
-        st.error(f"Too many failed attempts. Try again in {max(1, int(wait))} seconds.")
+    """Constant-time compare; a failure waits longer the more failures this session or address had lately, and is
+    logged; at LOCKOUT_AFTER within the window that session or address is locked out, nobody else."""
+    keys = _who()
+    wait = _locked_for(keys)
+    if wait:
+        st.error(f"Too many failed attempts from this browser or address. Try again in {max(1, int(wait))} seconds.")
         return False
     if hmac.compare_digest(entered.encode(), expected.encode()):
         return True
+    now = time.monotonic()
     with _failures_lock:
-        _failures.append(time.monotonic())
-        count = len(_failures)
-    log.warning("failed %s attempt (%d in the last %d s)", what, count, int(FAILURE_WINDOW_S))
+        counts = {}
+        for key in keys:
+            times = _recent(key, now)
+            times.append(now)
+            counts[key] = len(times)
+    count = max(counts.values())
+    log.warning("failed %s attempt (%d in the last %d s from %s)", what, count, int(FAILURE_WINDOW_S),
+                ", ".join(keys))
+    for key, seen in counts.items():
+        if seen == LOCKOUT_AFTER:
+            log.warning("%s locked out of %s for %d s after %d failed attempts", key, what, int(FAILURE_WINDOW_S), seen)
     time.sleep(min(5.0, 0.5 * count))
     st.error("Wrong password.")
     return False
