@@ -114,7 +114,16 @@ def check_unsupported(body: dict) -> None:
         raise unsupported("response_format", "only response_format {\"type\": \"text\"} is supported")
 
 
-def to_chat_request(body: dict, fetch_image, max_tokens_cap: int, allow_ignore_eos: bool) -> ChatRequest:
+ATTACHMENT_PARTS = ("image_url", "file")
+
+
+def _count_attachments(messages: list) -> int:
+    return sum(1 for message in messages if isinstance(message, dict) and isinstance(message.get("content"), list)
+               for part in message["content"] if isinstance(part, dict) and part.get("type") in ATTACHMENT_PARTS)
+
+
+def to_chat_request(body: dict, fetch_image, max_tokens_cap: int, allow_ignore_eos: bool,
+                    max_images: int = 16, max_messages: int | None = None) -> ChatRequest:
     """The engine request an OpenAI body stands for. `fetch_image(url)` gives an image_url's bytes; `max_tokens_cap`
     is the server's answer length cap; ignore_eos is refused unless the operator allows it."""
     if not isinstance(body, dict):
@@ -123,6 +132,14 @@ def to_chat_request(body: dict, fetch_image, max_tokens_cap: int, allow_ignore_e
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list", param="messages")
+    # Counted before any is parsed or decoded: a body of 100,000 tiny images is refused in microseconds.
+    if max_messages is not None and len(messages) > max_messages:
+        raise ApiError(400, f"{len(messages):,} messages; no more than {max_messages:,} fit the prompt limit",
+                       code="too_many_messages", param="messages")
+    attachments = _count_attachments(messages)
+    if attachments > max_images:
+        raise ApiError(400, f"{attachments:,} images and files; at most {max_images} per request",
+                       code="too_many_images", param="messages")
     max_pages = _number(body, "max_pages", int, 1, 1000)  # vlscope's extension: at most this many pages a document
     parsed = []
     for message in messages:

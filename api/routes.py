@@ -18,16 +18,18 @@ from starlette.routing import Route
 
 from engine import (Busy, ChatRequest, InsufficientMemory, InvalidImage, InvalidPrompt, PromptTooLong, RequestHandle,
                     RequestMetrics, ServingEngine, StageStarted, TextChunk, VlscopeError)
+from engine.inputs import MIN_TOKENS_PER_MESSAGE
 from engine.trace import PREFILL, VISION_ENCODE, refusal_record
 from server.slot import engine_slot, ensure_loaded, get_store, server_settings, shutdown
 
-from . import prometheus
-from .guard import authorized
+from . import prometheus, refusals
+from .guard import API_PREFIXES, authorized
 from .image_fetch import ImageFetcher
 from .openai_format import (ApiError, chunk, completion, finish_reason, logprobs_content, model_entry, public_metrics,
                             served_model_name, stream_settings, to_chat_request, usage)
 
 log = logging.getLogger(__name__)
+MAX_JSON_CONTAINERS = 200_000  # objects and arrays: above the text limit's characters plus a request's structure
 POLL_S = 0.25  # how often a waiting handler checks that its client is still there
 STARTED = int(time.time())  # the served model's `created`: when this server process started
 
@@ -49,10 +51,11 @@ def error_response(error: ApiError) -> JSONResponse:
 async def refuse(error: ApiError, path: str = "") -> JSONResponse:
     """The error's response, after recording the refusal (its kind and message, never the body or the key) unless an
     engine already recorded the request."""
-    if not error.recorded:
-        source = "app" if path.startswith("/_stcore/") else "api"
-        record = refusal_record(engine_slot().config, _model_name(), source, error.code or error.error_type,
-                                error.message)
+    kind = error.code or error.error_type
+    message = error.message if error.recorded else refusals.tally.admit(kind, error.message)
+    if message is not None and not error.recorded:
+        source = "api" if path.startswith(API_PREFIXES + ("/health",)) else "app"
+        record = refusal_record(engine_slot().config, _model_name(), source, kind, message)
         await anyio.to_thread.run_sync(get_store().add, record)
     return error_response(error)
 
@@ -65,7 +68,9 @@ def _request_from_body(body: dict, engine):
     settings = server_settings()
     fetcher = ImageFetcher(settings.api_image_hosts, engine.config.max_image_bytes,
                            settings.api_image_private_networks, settings.api_image_fetch_seconds)
-    return to_chat_request(body, fetcher, engine.config.max_new_tokens, settings.api_allow_ignore_eos)
+    config = engine.config
+    return to_chat_request(body, fetcher, config.max_new_tokens, settings.api_allow_ignore_eos, config.max_images,
+                           config.max_input_tokens // MIN_TOKENS_PER_MESSAGE)
 
 
 def _start_loading() -> None:
@@ -107,6 +112,12 @@ async def _read_json(request: Request) -> dict:
         body += part
         if len(body) > limit:
             raise ApiError(413, f"the request body is over the {limit // 1_000_000} MB limit", code="body_too_large")
+    # Parsing holds the interpreter, and with it every connection, for as long as it takes: a body of millions of
+    # empty objects is refused from a count first (a byte count in C, milliseconds for the largest body).
+    containers = body.count(b"{") + body.count(b"[")
+    if containers > MAX_JSON_CONTAINERS:
+        raise ApiError(400, f"the request body holds {containers:,} JSON objects and arrays, over the "
+                            f"{MAX_JSON_CONTAINERS:,} a request can need", code="body_too_complex")
     try:
         # Off the event loop: parsing a body near the limit takes long enough to stall every other connection.
         return await anyio.to_thread.run_sync(json.loads, body)
@@ -154,7 +165,8 @@ def served_name(engine: ServingEngine) -> str:
 
 
 def _unknown_model(asked: str, name: str) -> ApiError:
-    return ApiError(404, f"The model {asked!r} does not exist; this server serves {name!r}.",
+    shown = asked if len(asked) <= 100 else asked[:100] + "…"
+    return ApiError(404, f"The model {shown!r} does not exist; this server serves {name!r}.",
                     code="model_not_found", param="model")
 
 
@@ -336,7 +348,7 @@ async def metrics(request: Request) -> Response:
     engine = slot.loaded.engine if slot.ready else None
     text = await anyio.to_thread.run_sync(lambda: prometheus.render(
         get_store(), engine.queue_depth if engine else 0, engine.info.weight_bytes if engine else 0, engine is not None,
-        engine.active_sequences if engine else 0, engine.batch_limit() if engine else 0))
+        engine.active_sequences if engine else 0, engine.batch_limit() if engine else 0, refusals.tally.counts()))
     return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
 

@@ -67,6 +67,9 @@ class EngineConfig:
     # costs 1.1x (int8) to 1.9x (float32) a step for one (docs/decisions.md, batched decode).
     max_batch: int = 4
     db_path: str = "data/vlscope.db"
+    # Retention of the metrics database, pruned in the background as records are added (0: keep all).
+    records_keep_days: int = 30
+    records_max_rows: int = 100_000
     store_content: bool = False
     # Refuse images larger than this before decoding them (decompression bombs).
     max_image_pixels: int = 64_000_000
@@ -75,6 +78,8 @@ class EngineConfig:
     max_request_pixels: int = 128_000_000
     # Pages of PDFs (and multi-page TIFFs) one request may carry; each page is one image to the model.
     max_pdf_pages: int = 8
+    # Images (a document counting as one) in one request, its history included: counted before any is decoded.
+    max_images: int = 16
     # Memory a request may use beyond the weights; 0: whatever the machine has available when it starts.
     memory_limit_bytes: int = 0
     # A remote OpenAI-compatible server instead of a local model (e.g. http://host:8000/v1): vLLM, llama.cpp,
@@ -108,8 +113,16 @@ class EngineConfig:
             raise ValueError("max_queue must be >= 0")
         if self.max_batch < 1:
             raise ValueError("max_batch must be at least 1")
-        if self.max_pdf_pages < 1:
-            raise ValueError("max_pdf_pages must be at least 1")
+        if self.max_pdf_pages < 1 or self.max_images < 1:
+            raise ValueError("max_pdf_pages and max_images must be at least 1")
+        if self.records_keep_days < 0 or self.records_max_rows < 0:
+            raise ValueError("records_keep_days and records_max_rows must be >= 0 (0 keeps all)")
+
+    def open_store(self):
+        """The metrics database these settings name, with their retention."""
+        from .store import MetricsStore
+
+        return MetricsStore(self.db_path, keep_days=self.records_keep_days, max_rows=self.records_max_rows)
 
     @property
     def max_vision_tokens(self) -> int:

@@ -35,7 +35,7 @@ from .generate import (DecodeState, Sampler, attach_step, decode_batch, decode_o
                        encode_images_in_pieces, prefill, prefill_text)
 from .documents import expand_documents
 from .images import load_request_images
-from .inputs import check_memory, check_text, control_tokens, ocr_pictures, prepare_input
+from .inputs import check_memory, check_size, check_text, control_tokens, ocr_pictures, prepare_input
 from .memory import back_with_huge_pages
 from .metrics import RequestMetrics, PeakRss, current_rss
 from .output import SequenceOutput
@@ -187,7 +187,7 @@ class Engine(StreamingMixin):
                  store: MetricsStore | None = None):
         self.config = config or EngineConfig.from_env()
         report = progress or (lambda fraction, message: None)
-        self.store = store if store is not None else MetricsStore(self.config.db_path)
+        self.store = store if store is not None else self.config.open_store()
         self.store.mark_interrupted(psutil.pid_exists)  # requests a killed server left running
         started = time.perf_counter()
         self.loaded: LoadedModel = compute.run(load_model, self.config, progress=report)
@@ -254,6 +254,7 @@ class Engine(StreamingMixin):
         job = Job(uuid.uuid4().hex, request)
         job.trace = trace = RequestTrace(job, self.info, self.config, self.store)
         try:
+            check_size(request, self.config)
             check_text(request, self._control_tokens)
             with trace.loading_images() as clock:
                 # A document's pages are counted and sized first, then rendered as each request's images are decoded.

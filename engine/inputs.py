@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import InsufficientMemory, InvalidPrompt, PromptTooLong
+from .errors import InsufficientMemory, InvalidImage, InvalidPrompt, PromptTooLong
 from .images import enhance_for_ocr, fit_to_budget, vision_token_count
 from .memory import available_bytes, estimate_request_bytes
 from .preprocess import PromptTokens, chat_messages, tokenize_prompt
@@ -43,6 +43,30 @@ def control_tokens(tokenizer) -> tuple[str, ...]:
     template structure, not words."""
     added = [token.content for token in getattr(tokenizer, "added_tokens_decoder", {}).values() if token.special]
     return tuple(sorted(set(tokenizer.all_special_tokens) | set(added)))
+
+
+# No text of this tokenizer's family packs more characters than this into one token on average: a longer text
+# cannot fit the prompt limit, so it is refused from its length, before it is tokenized.
+MAX_CHARS_PER_TOKEN = 16
+# A message costs the chat template at least this many tokens.
+MIN_TOKENS_PER_MESSAGE = 4
+
+
+def check_size(request, config) -> None:
+    """Refuse, from counts alone and before any tokenizing or decoding, a request whose text, messages or images
+    cannot fit: what a huge prompt would otherwise cost is paid before the limit could refuse it."""
+    chars = len(request.prompt) + sum(len(turn.text) for turn in request.history)
+    limit = config.max_input_tokens * MAX_CHARS_PER_TOKEN
+    if chars > limit:
+        raise PromptTooLong(f"The text is {chars:,} characters; no text over {limit:,} fits the prompt limit of "
+                            f"{config.max_input_tokens:,} tokens. Shorten it.")
+    messages = len(request.history) + 1
+    if messages * MIN_TOKENS_PER_MESSAGE > config.max_input_tokens:
+        raise PromptTooLong(f"The conversation has {messages:,} messages; no more than "
+                            f"{config.max_input_tokens // MIN_TOKENS_PER_MESSAGE:,} fit the prompt limit.")
+    images = len(request.images) + sum(len(turn.images) for turn in request.history)
+    if images > config.max_images:
+        raise InvalidImage(f"The request carries {images:,} images; at most {config.max_images} are read per request.")
 
 
 def check_text(request, tokens: tuple[str, ...]) -> None:

@@ -7,6 +7,8 @@ import base64
 import io
 import json
 import logging
+import math
+import re
 import threading
 import time
 import uuid
@@ -24,6 +26,7 @@ from .errors import (
     VlscopeError,
 )
 from .documents import expand_documents
+from .inputs import check_size
 from .images import load_request_images
 from .metrics import current_rss
 from .request import ChatRequest, TextChunk
@@ -46,7 +49,7 @@ log = logging.getLogger(__name__)
 class RemoteEngine(StreamingMixin):
     def __init__(self, config: EngineConfig, store: MetricsStore | None = None, progress=None):
         self.config = config
-        self.store = store if store is not None else MetricsStore(config.db_path)
+        self.store = store if store is not None else config.open_store()
         self.base_url = config.remote_url.rstrip("/")
         self._client = httpx.Client(timeout=httpx.Timeout(10.0, read=600.0), headers=self._headers())
         self._in_flight = 0
@@ -89,6 +92,7 @@ class RemoteEngine(StreamingMixin):
         job = Job(uuid.uuid4().hex, request)
         job.trace = trace = RequestTrace(job, self.info, self.config, self.store)
         try:
+            check_size(request, self.config)
             with trace.loading_images() as clock:
                 job.request = request = expand_documents(request, self.config)
                 job.images = load_request_images(request, self.config, admit=self._check_room, clock=clock)
@@ -173,11 +177,26 @@ class RemoteEngine(StreamingMixin):
                 self._in_flight -= 1
         rss = current_rss()
         trace.rss_bytes = (rss_before, max(rss_before, rss), rss)
-        trace.finish(status, error)
+        try:
+            trace.finish(status, error)
+        except Exception:  # the record is written whatever the remote sent: without its figures, as an error
+            log.exception("request %s: its record could not be built; writing it without the server's figures", job.id)
+            trace.server_metrics = None
+            trace.finish(ERROR, error or GenerationFailed("the remote server's answer could not be recorded"))
 
     def _read_stream(self, job: Job, trace: RequestTrace, response) -> str:
         started = time.perf_counter()
         chunk_times: list[float] = []
+        dropped: list[str] = []
+        try:
+            return self._read_lines(job, trace, response, started, chunk_times, dropped)
+        finally:
+            if dropped:
+                log.warning("request %s: dropped from the remote server's answer: %s", job.id, "; ".join(dropped[:5]))
+                trace.server_metrics = dict(trace.server_metrics or {}, dropped=sorted(set(dropped))[:10])
+
+    def _read_lines(self, job: Job, trace: RequestTrace, response, started: float, chunk_times: list[float],
+                    dropped: list[str]) -> str:
         for line in response.iter_lines():
             if job.cancelled.is_set():
                 return CANCELLED  # leaving the with-block closes the connection: the server stops too
@@ -194,8 +213,15 @@ class RemoteEngine(StreamingMixin):
                 if isinstance(error, dict):
                     raise error_from(400, str(error.get("message", "")), error.get("code"))
                 raise error_from(400, str(error), None)
-            for choice in data.get("choices") or []:
-                text = (choice.get("delta") or {}).get("content")
+            choices = data.get("choices") or []
+            for choice in choices if isinstance(choices, list) else []:
+                if not isinstance(choice, dict):
+                    raise GenerationFailed("the remote server sent a choice that is not an object")
+                delta = choice.get("delta")
+                text = delta.get("content") if isinstance(delta, dict) else None
+                if text is not None and not isinstance(text, str):
+                    dropped.append(f"content of type {type(text).__name__}")
+                    text = None
                 if text:
                     chunk_times.append(time.perf_counter())
                     if len(chunk_times) == 1:
@@ -203,17 +229,61 @@ class RemoteEngine(StreamingMixin):
                         trace.announce(DECODE)
                     job.events.put(TextChunk(text))
             usage = data.get("usage")
-            if usage:
-                trace.prompt_tokens = usage.get("prompt_tokens", 0)
-                trace.output_tokens = usage.get("completion_tokens", 0)
-            trace.server_metrics = data.get("metrics") or data.get("timings") or trace.server_metrics
+            if isinstance(usage, dict):
+                prompt, completion = _count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens"))
+                if prompt is None or completion is None:
+                    dropped.append("usage with counts that are not numbers")
+                trace.prompt_tokens = prompt or trace.prompt_tokens
+                trace.output_tokens = completion or trace.output_tokens
+            reported = data.get("metrics") or data.get("timings")
+            if reported is not None:
+                trace.server_metrics = server_metrics(reported, dropped) or trace.server_metrics
         if len(chunk_times) > 1:
             trace.add(DECODE, chunk_times[-1] - chunk_times[0])
             trace.decode_tokens_per_s = (len(chunk_times) - 1) / (chunk_times[-1] - chunk_times[0])
         trace.add(SERVER_FIRST_TOKEN, (chunk_times[0] if chunk_times else time.perf_counter()) - started)
         trace.output_tokens = trace.output_tokens or len(chunk_times)
-        trace.vision_tokens = (trace.server_metrics or {}).get("vision_tokens", 0)
+        trace.vision_tokens = int(_number((trace.server_metrics or {}).get("vision_tokens")) or 0)
         return OK
+
+
+STAGE_NAME = re.compile(r"[a-z][a-z0-9_]{0,39}")
+
+
+def _number(value) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return value
+
+
+def server_metrics(value, dropped: list[str]) -> dict | None:
+    """A remote server's own figures (vlscope's `metrics`, llama.cpp's `timings`) as the record keeps them: numbers,
+    and `stages` as stage name -> seconds with plain names. Anything else is dropped and named in `dropped`: the
+    remote is as untrusted as any client."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        dropped.append(f"metrics of type {type(value).__name__}")
+        return None
+    kept: dict = {}
+    for key, item in list(value.items())[:100]:
+        if key == "stages":
+            if not isinstance(item, dict):
+                dropped.append("metrics.stages (not an object)")
+                continue
+            kept["stages"] = {name: seconds for name, seconds in ((n, _number(s)) for n, s in item.items())
+                              if isinstance(name, str) and STAGE_NAME.fullmatch(name) and seconds is not None}
+            if len(kept["stages"]) < len(item):
+                dropped.append(f"{len(item) - len(kept['stages'])} stage(s) with an odd name or a non-number")
+        elif isinstance(key, str) and STAGE_NAME.fullmatch(key) and _number(item) is not None:
+            kept[key] = item
+        elif key in ("synthetic",) and isinstance(item, bool):
+            kept[key] = item
+    return kept
+
+
+def _count(value) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 10**9 else None
 
 
 def _remote_error(response: httpx.Response) -> VlscopeError:

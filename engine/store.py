@@ -41,6 +41,8 @@ CREATE TABLE IF NOT EXISTS requests (
 );
 CREATE INDEX IF NOT EXISTS requests_by_time ON requests (submitted_at);
 """
+PRUNE_EVERY = 200  # records added between two background prunes
+
 CSV_COLUMNS = (
     "id", "status", "source", "warmup", "submitted_at", "model", "synthetic", "dtype", "threads", "kv_cache",
     "vision_tokens", "prompt_tokens", "output_tokens", "queue_wait_s", "ttft_s", "decode_tokens_per_s", "e2e_s",
@@ -51,9 +53,13 @@ CSV_COLUMNS = (
 class MetricsStore:
     """One connection per thread; writers wait on each other through SQLite's busy timeout, readers never block."""
 
-    def __init__(self, path: str | Path, busy_timeout_s: float = 2.0):
+    def __init__(self, path: str | Path, busy_timeout_s: float = 2.0, keep_days: float = 0, max_rows: int = 0):
+        """keep_days, max_rows: retention, pruned in the background as records are added (0: keep)."""
         self.path = Path(path)
         self.busy_timeout_s = busy_timeout_s
+        self.keep_days, self.max_rows = keep_days, max_rows
+        self._adds_since_prune = PRUNE_EVERY  # the first add prunes what an earlier run left
+        self._pruning = threading.Lock()
         self.last_error: str | None = None  # the latest write failure, for the UI to show
         self._pending: list[RequestMetrics] = []  # records a failed write kept, retried with the next one
         self._pending_lock = threading.Lock()
@@ -107,7 +113,37 @@ class MetricsStore:
                 return False
             self._pending = []
             self.last_error = None
-            return True
+            self._adds_since_prune += len(batch)
+        if (self.keep_days or self.max_rows) and self._adds_since_prune >= PRUNE_EVERY and self._pruning.acquire(False):
+            self._adds_since_prune = 0
+            threading.Thread(target=self._prune_in_background, name="vlscope-prune", daemon=True).start()
+        return True
+
+    def _prune_in_background(self) -> None:
+        try:
+            removed = self.prune(self.keep_days, self.max_rows)
+            if removed:
+                log.info("pruned %d records from %s (retention: %s days, %s rows)", removed, self.path,
+                         self.keep_days or "any", self.max_rows or "any")
+        except sqlite3.Error as exc:
+            log.warning("could not prune %s: %s", self.path, exc)
+        finally:
+            self._pruning.release()
+
+    def prune(self, keep_days: float = 0, max_rows: int = 0) -> int:
+        """Delete finished records older than keep_days, then the oldest beyond max_rows (0: no bound); returns how
+        many went. Running records stay: they are relabelled or finished, never lost."""
+        connection = self._connection()
+        removed = 0
+        with connection:
+            if keep_days:
+                removed += connection.execute("DELETE FROM requests WHERE submitted_at < ? AND status != ?",
+                                              (time.time() - keep_days * 86400, RUNNING)).rowcount
+            if max_rows:
+                removed += connection.execute(
+                    "DELETE FROM requests WHERE status != ? AND rowid IN (SELECT rowid FROM requests ORDER BY "
+                    "submitted_at DESC LIMIT -1 OFFSET ?)", (RUNNING, int(max_rows))).rowcount
+        return removed
 
     def mark_interrupted(self, alive: Callable[[int], bool]) -> int:
         """Relabel 'running' records whose serving process is gone: the server died mid-request."""
@@ -132,11 +168,16 @@ class MetricsStore:
         """The newest n records, newest first."""
         return self._select("" if include_warmup else "WHERE warmup = 0", limit=n)
 
-    def between(self, since: float, until: float | None = None, include_warmup: bool = True) -> list[RequestMetrics]:
-        """Records submitted in [since, until] (unix seconds), newest first."""
+    def between(self, since: float, until: float | None = None, include_warmup: bool = True,
+                limit: int | None = None) -> list[RequestMetrics]:
+        """Records submitted in [since, until] (unix seconds), newest first; with `limit`, the newest that many."""
         until = time.time() if until is None else until
         where = "WHERE submitted_at BETWEEN ? AND ?" + ("" if include_warmup else " AND warmup = 0")
-        return self._select(where, (since, until))
+        return self._select(where, (since, until), limit)
+
+    def count_since(self, since: float) -> int:
+        return self._connection().execute("SELECT COUNT(*) FROM requests WHERE submitted_at >= ?",
+                                          (since,)).fetchone()[0]
 
     def finished_since(self, row: int) -> tuple[list[RequestMetrics], int]:
         """Final records (not 'running') written after row number `row`, oldest first, and the row number to ask
@@ -188,5 +229,12 @@ def to_csv(records: list[RequestMetrics]) -> str:
     writer.writerow(CSV_COLUMNS + tuple(f"stage_{name}_s" for name in STAGES))
     for record in records:
         data = record.to_dict()
-        writer.writerow([data[c] for c in CSV_COLUMNS] + [record.stages.get(name, "") for name in STAGES])
+        writer.writerow([_inert(data[c]) for c in CSV_COLUMNS] + [record.stages.get(name, "") for name in STAGES])
     return buffer.getvalue()
+
+
+def _inert(value):
+    """A text cell a spreadsheet would run as a formula (=, +, -, @, tab or CR first) is quoted as text."""
+    if isinstance(value, str) and value[:1] in ("=", "+", "-", "@", "\t", "\r"):
+        return "'" + value
+    return value

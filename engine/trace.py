@@ -196,11 +196,11 @@ class RequestTrace:
             rss_peak_bytes=rss[1],
             rss_after_bytes=rss[2],
             error_type=getattr(error, "kind", None) if error is not None else None,
-            error=str(error) if error is not None else None,
+            error=_capped(str(error), MAX_RECORDED_ERROR) if error is not None else None,
             server_metrics=self.server_metrics,
             pid=os.getpid(),
-            prompt=request.prompt if store_content else None,
-            answer=self.answer if store_content and status != RUNNING else None,
+            prompt=_capped(request.prompt, MAX_STORED_TEXT) if store_content else None,
+            answer=_capped(self.answer, MAX_STORED_TEXT) if store_content and status != RUNNING else None,
         )
 
     def _budget_sizes(self) -> tuple[tuple[int, int], ...]:
@@ -223,14 +223,27 @@ class RequestTrace:
             log.error("could not save request images: %s", exc)
 
 
+MAX_RECORDED_NAME = 100  # characters of a model name or error kind a record keeps
+MAX_RECORDED_ERROR = 1_000  # characters of an error message a record keeps
+MAX_STORED_TEXT = 64_000  # characters of a prompt or an answer a record keeps when content storing is on
+
+
+def _capped(text: str | None, limit: int) -> str | None:
+    """The text, or its first `limit` characters with a marker saying how much was left out."""
+    if text is None or len(text) <= limit:
+        return text
+    return f"{text[:limit]}… [{len(text) - limit:,} more characters not recorded]"
+
+
 def refusal_record(config: "EngineConfig", model: str, source: str, kind: str, message: str) -> RequestMetrics:
     """The record of a request turned away before it reached an engine (a bad key, a malformed body, a wrong Host):
     what it was refused for, never the body or the key."""
     now = time.time()
     return RequestMetrics(
         id=uuid.uuid4().hex, status=REFUSED, source=source, warmup=False, submitted_at=now, finished_at=now,
-        model=model, synthetic=False, dtype=config.dtype, threads=config.threads, kv_cache=config.kv_cache,
+        model=model[:MAX_RECORDED_NAME], synthetic=False, dtype=config.dtype, threads=config.threads, kv_cache=config.kv_cache,
         min_pixels=config.min_pixels, max_pixels=config.max_pixels, max_new_tokens=config.max_new_tokens,
-        temperature=config.temperature, top_p=config.top_p, error_type=kind, error=message, pid=os.getpid(),
+        temperature=config.temperature, top_p=config.top_p, error_type=kind[:MAX_RECORDED_NAME],
+        error=_capped(message, MAX_RECORDED_ERROR), pid=os.getpid(),
         rss_before_bytes=0, rss_peak_bytes=0, rss_after_bytes=0,
     )

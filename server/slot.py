@@ -139,7 +139,7 @@ def get_store() -> MetricsStore:
     path = current_settings().db_path
     with _slot_lock:
         if path not in _stores:
-            _stores[path] = MetricsStore(path)
+            _stores[path] = current_settings().open_store()
         return _stores[path]
 
 
