@@ -9,7 +9,8 @@ from engine import InvalidImage, Queued, RequestMetrics, StageStarted, TextChunk
 from engine.images import load_image
 from engine.trace import RUNNING
 from ui.engine_resource import get_engine
-from ui.conversation import PRESETS, ChatTurn, build_request, images_to_attach, stats_line, transcript
+from ui.conversation import (PRESETS, ChatTurn, build_request, images_to_attach, inert_markdown, stats_line,
+                             transcript)
 from engine.documents import Document
 from ui.documents import document_of, page_picker
 from ui.documents import preview as page_preview
@@ -85,7 +86,10 @@ for turn in turns:
     with st.chat_message(turn.role):
         for name, data in turn.images:
             st.image(preview(data), caption=name, width=280)
-        (st.error if turn.error else st.markdown)(turn.text)
+        if turn.error:
+            st.error(turn.text)
+        else:
+            st.markdown(inert_markdown(turn.text))
         if turn.stats:
             st.caption(turn.stats)
 
@@ -112,7 +116,7 @@ def stream_text(handle, status, partial: list, result: dict):
         elif isinstance(event, TextChunk):
             status.empty()
             partial.append(event.text)
-            yield event.text
+            yield inert_markdown(event.text)
         elif isinstance(event, RequestMetrics):
             result["metrics"] = event
             return

@@ -95,6 +95,17 @@ def test_vlscope_in_front_of_vlscope_api_and_app(backend, tiny_model, images_dir
         shutdown()
 
 
+TEXT = {"choices": [{"delta": {"content": "fine"}}]}
+# Answers that parse but carry what a record, a chart or a client must not take as it is.
+HOSTILE_ANSWERS = {
+    "metrics list": dict(TEXT, metrics=[1, 2]),
+    "stages string": dict(TEXT, metrics={"stages": "abc", "vision_tokens": "many"}),
+    "stage names": dict(TEXT, metrics={"stages": {"<a href='http://x'>s</a>": 1.0, "prefill": 0.5}}),
+    "usage strings": dict(TEXT, usage={"prompt_tokens": "abc", "completion_tokens": None}),
+    "content number": {"choices": [{"delta": {"content": 5}}]},
+}
+
+
 class MisbehavingServer(BaseHTTPRequestHandler):
     """An OpenAI-style server gone wrong; the prompt says how: a malformed stream line, an error that is a bare
     string, a stream line that is not an object, or a slow answer."""
@@ -107,6 +118,7 @@ class MisbehavingServer(BaseHTTPRequestHandler):
         prompt = body["messages"][-1]["content"]
         lines = {"malformed": "data: {not json", "string error": 'data: {"error": "boom"}',
                  "list": "data: [1, 2]", "choices": 'data: {"choices": ["x"]}'}
+        lines |= {prompt: "data: " + json.dumps(line) for prompt, line in HOSTILE_ANSWERS.items()}
         if prompt == "slow":
             time.sleep(2)
             line = 'data: {"choices": [{"delta": {"content": "late"}}]}'
@@ -149,3 +161,27 @@ def test_remote_failures_end_with_an_error_and_a_record_and_the_queue_bound_hold
         engine.close()
     finally:
         server.shutdown()
+
+
+def test_a_hostile_backends_answers_are_checked_like_user_input(tmp_path):
+    """Malformed metrics, usage and content are dropped with a note; the record always ends; a chart of it draws."""
+    from ui.charts import server_stages, stage_bars
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), MisbehavingServer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        config = EngineConfig(remote_url=f"http://127.0.0.1:{server.server_address[1]}/v1",
+                              db_path=str(tmp_path / "client.db"))
+        engine = RemoteEngine(config)
+        records = {prompt: engine.ask(ChatRequest(prompt=prompt)).metrics for prompt in HOSTILE_ANSWERS}
+        engine.close()
+    finally:
+        server.shutdown()
+    assert all(record.status == "ok" for record in records.values())
+    assert all(record.server_metrics["dropped"] for record in records.values())
+    assert records["stages string"].vision_tokens == 0
+    assert server_stages(records["stage names"]) == {"queue_wait": 0.0, "prefill": 0.5}
+    assert records["usage strings"].prompt_tokens == 0
+    stored = MetricsStore(config.db_path).recent(10)
+    assert len(stored) == len(HOSTILE_ANSWERS) and not [r for r in stored if r.status == "running"]
+    stage_bars(stored, stages_of=server_stages)  # the Profiling page's chart of them draws

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import html
 
 import pandas as pd
 import plotly.graph_objects as go
@@ -28,10 +29,15 @@ def client_stages(record: RequestMetrics) -> dict:
 def server_stages(record: RequestMetrics) -> dict:
     """A remote server's own timings: vlscope's metrics record, or llama.cpp's `timings` (milliseconds)."""
     server = record.server_metrics or {}
-    if "stages" in server:
-        return {QUEUE_WAIT: server.get("queue_wait_s", 0.0), **server["stages"]}
-    if "prompt_ms" in server or "predicted_ms" in server:
-        return {PREFILL: server.get("prompt_ms", 0) / 1000, DECODE: server.get("predicted_ms", 0) / 1000}
+    if isinstance(server.get("stages"), dict):  # kept as numbers by engine/remote.py; older records unchecked
+        stages = {html.escape(str(name))[:40]: seconds for name, seconds in server["stages"].items()
+                  if isinstance(seconds, (int, float))}
+        wait = server.get("queue_wait_s")
+        return {QUEUE_WAIT: wait if isinstance(wait, (int, float)) else 0.0, **stages}
+    prompt_ms, predicted_ms = server.get("prompt_ms"), server.get("predicted_ms")
+    if isinstance(prompt_ms, (int, float)) or isinstance(predicted_ms, (int, float)):
+        return {PREFILL: (prompt_ms if isinstance(prompt_ms, (int, float)) else 0) / 1000,
+                DECODE: (predicted_ms if isinstance(predicted_ms, (int, float)) else 0) / 1000}
     return {}
 
 

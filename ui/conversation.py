@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass, field
 
 from engine import ChatRequest, RequestMetrics, Turn
@@ -55,6 +56,16 @@ def build_request(turns: list[ChatTurn], prompt: str, images: list[tuple[str, by
     )
     return ChatRequest(prompt=prompt, images=tuple(data for _, data in images), history=history,
                        enhance_for_ocr=enhance_for_ocr, source="app")
+
+
+MARKDOWN_REACH = re.compile(r"([\[\]<>])")
+
+
+def inert_markdown(text: str) -> str:
+    """Answer text as markdown that reaches nowhere: brackets and angle brackets are escaped, so an image or a link
+    an answer writes (`![t](http://host/track.png)`) shows as text instead of making every viewer's browser fetch
+    it, and no HTML tag forms. Per character, so stream chunks can be escaped one by one."""
+    return MARKDOWN_REACH.sub(r"\\\1", text)
 
 
 def stats_line(metrics: RequestMetrics) -> str:

@@ -1,0 +1,148 @@
+"""The second hostile set, tried as an attacker would against a server on loopback: huge prompts, wide JSON, many
+images, records that grow without bound, a foreign Host at the UI, a flood of bad keys, formula cells."""
+from __future__ import annotations
+
+import base64
+import time
+
+import httpx
+import psutil
+import pytest
+
+from engine import ChatRequest, EngineConfig, InvalidImage, MetricsStore, PromptTooLong, RequestMetrics, to_csv
+
+from .test_api import start_server
+
+GIF_1X1 = base64.b64decode("R0lGODlhAQABAIAAAAAAAP///yH5BAEAAAAALAAAAAABAAEAAAIBRAA7")
+WEBSOCKET = {"Connection": "Upgrade", "Upgrade": "websocket", "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ==",
+             "Sec-WebSocket-Version": "13"}
+
+
+@pytest.fixture(scope="module")
+def hostile_server(tiny_model, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("hostile")
+    process, url = start_server(tiny_model, folder / "api.db", folder / "server.log", VLSCOPE_API_KEYS="k",
+                                VLSCOPE_STORE_CONTENT="on")
+    yield process, url, folder / "api.db"
+    process.terminate()
+    process.wait(20)
+
+
+KEY = {"Authorization": "Bearer k"}
+
+
+def post(url: str, body: dict, timeout: float = 60) -> tuple[httpx.Response, float]:
+    started = time.perf_counter()
+    response = httpx.post(f"{url}/v1/chat/completions", json=body, headers=KEY, timeout=timeout)
+    return response, time.perf_counter() - started
+
+
+def test_a_huge_prompt_is_refused_from_its_length_before_any_tokenizing(hostile_server):
+    process, url, _ = hostile_server
+    server = psutil.Process(process.pid)
+    before = server.memory_info().rss
+    huge, seconds = post(url, {"messages": [{"role": "user", "content": "hello world " * 1_400_000}], "max_tokens": 4})
+    assert huge.status_code == 400 and huge.json()["error"]["code"] == "prompt_too_long", huge.text
+    assert "characters" in huge.json()["error"]["message"]
+    assert seconds < 5  # the body itself takes most of it; tokenizing it took 12 s and +2.3 GB
+    small, _ = post(url, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert small.status_code == 200
+    assert server.memory_info().rss - before < 400 * 1024 * 1024
+
+
+def test_wide_json_and_many_images_are_refused_from_counts(hostile_server):
+    _, url, _ = hostile_server
+    wide, seconds = post(url, {"messages": [{}] * 2_000_000})
+    assert wide.status_code == 400 and wide.json()["error"]["code"] == "body_too_complex" and seconds < 3
+    gif = {"type": "image_url", "image_url": {"url": "data:image/gif;base64," + base64.b64encode(GIF_1X1).decode()}}
+    many, seconds = post(url, {"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}] +
+                                             [gif] * 100_000}]})
+    assert many.status_code == 400 and many.json()["error"]["code"] == "too_many_images" and seconds < 3
+    started = time.perf_counter()
+    assert httpx.get(f"{url}/health", timeout=5).status_code == 200 and time.perf_counter() - started < 1
+
+
+def test_records_keep_no_request_text_beyond_their_caps(hostile_server):
+    _, url, db = hostile_server
+    wrong_model, _ = post(url, {"model": "A" * 1_000_000, "messages": [{"role": "user", "content": "x"}]})
+    assert wrong_model.status_code == 404
+    long_prompt = "word " * 20_000  # 100,000 characters: stored with content storage on, up to the cap
+    answer, _ = post(url, {"messages": [{"role": "user", "content": long_prompt}], "max_tokens": 2})
+    assert answer.status_code == 400  # over the token limit once tokenized
+    records = MetricsStore(db).recent(50)
+    refused = next(r for r in records if r.error_type == "model_not_found")
+    assert len(refused.error) < 1_200 and len(refused.model) <= 100
+    stored = next(r for r in records if r.prompt and r.prompt.startswith("word word"))
+    assert len(stored.prompt) < 64_100 and stored.prompt.endswith("more characters not recorded]")
+
+
+def test_a_flood_of_bad_keys_is_counted_not_written_row_by_row(hostile_server):
+    _, url, db = hostile_server
+    before = len([r for r in MetricsStore(db).recent(10_000) if r.error_type == "invalid_api_key"])
+    for _ in range(50):
+        assert httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    rows = len([r for r in MetricsStore(db).recent(10_000) if r.error_type == "invalid_api_key"]) - before
+    assert rows <= 1
+    metrics = httpx.get(f"{url}/metrics", headers=KEY).text
+    counted = next(line for line in metrics.splitlines() if line.startswith('vlscope_guard_refusals_total{kind="invalid'))
+    assert int(counted.rsplit(" ", 1)[1]) >= 50
+
+
+def test_the_ui_answers_only_to_this_servers_hosts(hostile_server):
+    _, url, db = hostile_server
+    port = url.rsplit(":", 1)[1]
+    assert httpx.get(f"{url}/").status_code == 200
+    page = httpx.get(f"{url}/", headers={"Host": f"rebind.example:{port}"})
+    assert page.status_code == 403 and page.json()["error"]["code"] == "host_not_allowed"
+    socket = httpx.get(f"{url}/_stcore/stream", headers=dict(WEBSOCKET, Host=f"rebind.example:{port}"))
+    assert socket.status_code == 403
+    foreign_page = httpx.get(f"{url}/_stcore/stream", headers=dict(WEBSOCKET, Origin="https://evil.example"))
+    assert foreign_page.status_code == 403
+    media = httpx.get(f"{url}/media/anything.png", headers={"Host": "rebind.example"})
+    assert media.status_code == 403
+    assert any(r.source == "app" and r.error_type == "host_not_allowed" for r in MetricsStore(db).recent(100))
+
+
+def test_size_limits_hold_in_the_engine_itself(make_engine):
+    engine = make_engine(max_images=2)
+    started = time.perf_counter()
+    with pytest.raises(PromptTooLong, match="characters"):
+        engine.ask(ChatRequest(prompt="hello world " * 5_200_000))
+    assert time.perf_counter() - started < 2
+    with pytest.raises(InvalidImage, match="at most 2"):
+        engine.ask(ChatRequest(prompt="x", images=(GIF_1X1,) * 3))
+
+
+def test_retention_prunes_by_age_and_rows_in_the_background(tmp_path):
+    store = MetricsStore(tmp_path / "m.db", keep_days=1, max_rows=100)
+    now = time.time()
+    base = dict(status="ok", source="api", warmup=False, model="m", synthetic=True, dtype="float32", threads=2,
+                kv_cache=True, min_pixels=1, max_pixels=2, max_new_tokens=8, temperature=0.0, top_p=1.0, e2e_s=1.0)
+    old = [RequestMetrics(id=f"old{i}", submitted_at=now - 3 * 86400, finished_at=now, **base) for i in range(50)]
+    new = [RequestMetrics(id=f"new{i}", submitted_at=now - i, finished_at=now, **base) for i in range(250)]
+    store.add_many(old + new)
+    deadline = time.time() + 10
+    while store.count() > 100 and time.time() < deadline:
+        time.sleep(0.05)
+    kept = store.recent(1000)
+    assert len(kept) == 100 and all(r.id.startswith("new") for r in kept)
+    assert {r.id for r in kept} == {f"new{i}" for i in range(100)}  # the newest
+    assert store.between(0, limit=10) == kept[:10]
+
+
+def test_csv_cells_that_a_spreadsheet_would_run_are_text():
+    record = RequestMetrics(id="r", status="error", source="api", warmup=False, submitted_at=1, finished_at=2,
+                            model="@SUM(A1)", synthetic=False, dtype="float32", threads=2, kv_cache=True,
+                            min_pixels=1, max_pixels=2, max_new_tokens=8, temperature=0.0, top_p=1.0, e2e_s=1.0,
+                            error='=HYPERLINK("http://x","y")', error_type="-1+1")
+    text = to_csv([record])
+    assert "'=HYPERLINK" in text and "'@SUM" in text and "'-1+1" in text
+    assert "\n=" not in text and ",=" not in text and ",@" not in text
+
+
+def test_answers_render_without_reaching_out():
+    from ui.conversation import inert_markdown
+
+    shown = inert_markdown("![t](http://host/track.png) and <img src=x> and [a](http://b)")
+    assert "![" not in shown and "<img" not in shown and "](" not in shown.replace("\\](", "")
+
