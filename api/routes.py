@@ -108,10 +108,15 @@ async def _read_json(request: Request) -> dict:
     if declared and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"the request body is over the {limit // 1_000_000} MB limit", code="body_too_large")
     body = bytearray()
-    async for part in request.stream():
-        body += part
-        if len(body) > limit:
-            raise ApiError(413, f"the request body is over the {limit // 1_000_000} MB limit", code="body_too_large")
+    seconds = server_settings().api_body_seconds
+    with anyio.move_on_after(seconds) as deadline:
+        async for part in request.stream():
+            body += part
+            if len(body) > limit:
+                raise ApiError(413, f"the request body is over the {limit // 1_000_000} MB limit",
+                               code="body_too_large")
+    if deadline.cancelled_caught:  # a client trickling its body holds a connection and a buffer for nothing
+        raise ApiError(408, f"the request body did not arrive within {seconds:g} s", code="body_timeout")
     # Parsing holds the interpreter, and with it every connection, for as long as it takes: a body of millions of
     # empty objects is refused from a count first (a byte count in C, milliseconds for the largest body).
     containers = body.count(b"{") + body.count(b"[")

@@ -146,6 +146,8 @@ class ServerSettings:
     # Hosts the API may fetch http(s) image URLs from; empty: images come only as data: URLs.
     api_image_hosts: tuple[str, ...] = ()
     api_max_body_bytes: int = 64 * 1024 * 1024
+    # A request body must arrive within this many seconds: a client sending a byte a second is cut off.
+    api_body_seconds: float = 30.0
     # Image URLs from the allowed hosts may resolve to loopback, private or link-local addresses (off: refused, so
     # a redirect or a DNS answer cannot point the server at its own network).
     api_image_private_networks: bool = False
@@ -168,6 +170,8 @@ class ServerSettings:
     def __post_init__(self) -> None:
         if self.api_max_body_bytes < 1:
             raise ValueError("api_max_body_bytes must be at least 1")
+        if self.api_body_seconds <= 0:
+            raise ValueError("api_body_seconds must be above 0")
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import httpx
 import psutil
 import pytest
 
-from engine import ChatRequest, EngineConfig, InvalidImage, MetricsStore, PromptTooLong, RequestMetrics, to_csv
+from engine import ChatRequest, InvalidImage, MetricsStore, PromptTooLong, RequestMetrics, to_csv
 
 from .test_api import start_server
 
@@ -146,3 +146,30 @@ def test_answers_render_without_reaching_out():
     shown = inert_markdown("![t](http://host/track.png) and <img src=x> and [a](http://b)")
     assert "![" not in shown and "<img" not in shown and "](" not in shown.replace("\\](", "")
 
+
+
+def test_a_body_sent_a_byte_at_a_time_is_cut_off(tiny_model, tmp_path):
+    import socket
+
+    process, url = start_server(tiny_model, tmp_path / "api.db", tmp_path / "server.log", VLSCOPE_API_BODY_SECONDS="2")
+    try:
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=20) as client:
+            client.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
+                           b"\r\nContent-Length: 1000\r\n\r\n{")
+            started = time.perf_counter()
+            answer = b""
+            while b"\r\n\r\n" not in answer:
+                try:
+                    client.sendall(b" ")
+                except OSError:
+                    break
+                client.settimeout(1)
+                try:
+                    answer += client.recv(4096)
+                except TimeoutError:
+                    pass
+            assert answer.startswith(b"HTTP/1.1 408") and time.perf_counter() - started < 10
+    finally:
+        process.terminate()
+        process.wait(20)
