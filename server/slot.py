@@ -136,11 +136,11 @@ _stores: dict[str, MetricsStore] = {}
 
 def get_store() -> MetricsStore:
     """The metrics database alone: the profiling page works even when the model failed to load."""
-    path = current_settings().db_path
+    settings = current_settings()
     with _slot_lock:
-        if path not in _stores:
-            _stores[path] = current_settings().open_store()
-        return _stores[path]
+        if settings.db_path not in _stores:
+            _stores[settings.db_path] = settings.open_store()
+        return _stores[settings.db_path]
 
 
 def shutdown() -> None:

@@ -56,7 +56,7 @@ def test_wide_json_and_many_images_are_refused_from_counts(hostile_server):
     assert wide.status_code == 400 and wide.json()["error"]["code"] == "body_too_complex" and seconds < 3
     gif = {"type": "image_url", "image_url": {"url": "data:image/gif;base64," + base64.b64encode(GIF_1X1).decode()}}
     many, seconds = post(url, {"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}] +
-                                             [gif] * 100_000}]})
+                                             [gif] * 30_000}]})
     assert many.status_code == 400 and many.json()["error"]["code"] == "too_many_images" and seconds < 3
     started = time.perf_counter()
     assert httpx.get(f"{url}/health", timeout=5).status_code == 200 and time.perf_counter() - started < 1
@@ -144,7 +144,8 @@ def test_answers_render_without_reaching_out():
     from ui.conversation import inert_markdown
 
     shown = inert_markdown("![t](http://host/track.png) and <img src=x> and [a](http://b)")
-    assert "![" not in shown and "<img" not in shown and "](" not in shown.replace("\\](", "")
+    # every bracket escaped: markdown shows them as characters, so no image, link or tag forms
+    assert shown == r"!\[t\](http://host/track.png) and \<img src=x\> and \[a\](http://b)"
 
 
 
