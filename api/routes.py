@@ -54,7 +54,8 @@ async def refuse(error: ApiError, path: str = "") -> JSONResponse:
     kind = error.code or error.error_type
     message = error.message if error.recorded else refusals.tally.admit(kind, error.message)
     if message is not None and not error.recorded:
-        source = "api" if path.startswith(API_PREFIXES + ("/health",)) else "app"
+        # The guard names the path; route handlers (path "") are the API's.
+        source = "app" if path and not path.startswith(API_PREFIXES + ("/health",)) else "api"
         record = refusal_record(engine_slot().config, _model_name(), source, kind, message)
         await anyio.to_thread.run_sync(get_store().add, record)
     return error_response(error)
@@ -123,6 +124,11 @@ async def _read_json(request: Request) -> dict:
     if containers > MAX_JSON_CONTAINERS:
         raise ApiError(400, f"the request body holds {containers:,} JSON objects and arrays, over the "
                             f"{MAX_JSON_CONTAINERS:,} a request can need", code="body_too_complex")
+    # Each image part names "image_url" twice; far more than the image limit allows is refused before parsing too.
+    max_images = engine_slot().config.max_images
+    if body.count(b"image_url") + body.count(b'"file"') > 4 * max_images + 64:
+        raise ApiError(400, f"the request body carries far more than the {max_images} images a request may",
+                       code="too_many_images", param="messages")
     try:
         # Off the event loop: parsing a body near the limit takes long enough to stall every other connection.
         return await anyio.to_thread.run_sync(json.loads, body)

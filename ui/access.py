@@ -49,7 +49,7 @@ def _who() -> list[str]:
         address = st.context.ip_address
     except Exception:  # no request context (AppTest): the session alone
         address = None
-    if address:
+    if isinstance(address, str) and address:
         keys.append(f"address:{address}")
     return keys or ["session:unknown"]
 
@@ -70,6 +70,18 @@ def _locked_for(keys: list[str]) -> float:
     return max(waits, default=0.0)
 
 
+def _record_failure(keys: list[str]) -> dict[str, int]:
+    """Count a failed attempt under each key; returns each key's failures within the window."""
+    now = time.monotonic()
+    with _failures_lock:
+        counts = {}
+        for key in keys:
+            times = _recent(key, now)
+            times.append(now)
+            counts[key] = len(times)
+    return counts
+
+
 def _check_password(entered: str, expected: str, what: str) -> bool:
     """Constant-time compare; a failure waits longer the more failures this session or address had lately, and is
     logged; at LOCKOUT_AFTER within the window that session or address is locked out, nobody else."""
@@ -80,13 +92,7 @@ def _check_password(entered: str, expected: str, what: str) -> bool:
         return False
     if hmac.compare_digest(entered.encode(), expected.encode()):
         return True
-    now = time.monotonic()
-    with _failures_lock:
-        counts = {}
-        for key in keys:
-            times = _recent(key, now)
-            times.append(now)
-            counts[key] = len(times)
+    counts = _record_failure(keys)
     count = max(counts.values())
     log.warning("failed %s attempt (%d in the last %d s from %s)", what, count, int(FAILURE_WINDOW_S),
                 ", ".join(keys))
