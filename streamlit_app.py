@@ -33,6 +33,7 @@ else:
 
     from starlette.middleware import Middleware
 
+    from api.connections import guard_connections
     from api.guard import ServerGuard
     from api.routes import lifespan as api_lifespan
     from api.routes import refuse, routes
@@ -48,5 +49,6 @@ else:
         async with api_lifespan(app):
             yield
 
+    guard_connections(server_settings)
     app = st.App(__file__, routes=routes, lifespan=lifespan, middleware=[
         Middleware(ServerGuard, settings=server_settings, signed_in=session_signed_in, refuse=refuse)])

@@ -148,6 +148,10 @@ class ServerSettings:
     api_max_body_bytes: int = 64 * 1024 * 1024
     # A request body must arrive within this many seconds: a client sending a byte a second is cut off.
     api_body_seconds: float = 30.0
+    # A connection's request headers must be complete this long after it opens (or after its last response).
+    api_header_seconds: float = 10.0
+    # HTTP connections one client address may hold open at once (the app's websockets are not counted).
+    api_max_connections_per_address: int = 64
     # Image URLs from the allowed hosts may resolve to loopback, private or link-local addresses (off: refused, so
     # a redirect or a DNS answer cannot point the server at its own network).
     api_image_private_networks: bool = False
@@ -170,8 +174,10 @@ class ServerSettings:
     def __post_init__(self) -> None:
         if self.api_max_body_bytes < 1:
             raise ValueError("api_max_body_bytes must be at least 1")
-        if self.api_body_seconds <= 0:
-            raise ValueError("api_body_seconds must be above 0")
+        if self.api_body_seconds <= 0 or self.api_header_seconds <= 0:
+            raise ValueError("api_body_seconds and api_header_seconds must be above 0")
+        if self.api_max_connections_per_address < 1:
+            raise ValueError("api_max_connections_per_address must be at least 1")
 
 
 @dataclass(frozen=True)

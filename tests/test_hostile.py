@@ -174,3 +174,45 @@ def test_a_body_sent_a_byte_at_a_time_is_cut_off(tiny_model, tmp_path):
     finally:
         process.terminate()
         process.wait(20)
+
+
+def test_half_a_header_and_a_pile_of_connections_are_cut_off(tiny_model, tmp_path):
+    import socket
+
+    process, url = start_server(tiny_model, tmp_path / "api.db", tmp_path / "server.log",
+                                VLSCOPE_API_HEADER_SECONDS="3", VLSCOPE_API_MAX_CONNECTIONS_PER_ADDRESS="6")
+    host, port = url.removeprefix("http://").split(":")
+
+    def closed_within(connection: socket.socket, seconds: float) -> bool:
+        connection.settimeout(seconds)
+        try:
+            return connection.recv(1024) == b""
+        except TimeoutError:
+            return False
+        except ConnectionResetError:
+            return True
+
+    try:
+        half = socket.create_connection((host, int(port)))
+        half.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+        assert closed_within(half, 6)  # cut off at 3 s, not held for minutes
+        kept = socket.create_connection((host, int(port)))  # a request, then half of the next one on the same socket
+        kept.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        kept.settimeout(5)
+        answer = b""
+        while not answer.endswith(b"}"):  # the whole response, headers and JSON body
+            answer += kept.recv(4096)
+        assert answer.startswith(b"HTTP/1.1 200")
+        kept.sendall(b"GET /health HTTP/1.1\r\n")
+        assert closed_within(kept, 6)
+        idle = [socket.create_connection((host, int(port))) for _ in range(10)]
+        time.sleep(0.3)
+        cut = sum(closed_within(connection, 0.1) for connection in idle)  # well within their 3 s
+        assert cut == 4  # the ones past six from this address
+        for connection in idle + [half, kept]:
+            connection.close()
+        time.sleep(0.5)
+        assert httpx.get(f"{url}/health", timeout=5).status_code == 200  # the address may connect again
+    finally:
+        process.terminate()
+        process.wait(20)
