@@ -21,7 +21,7 @@ import torch
 from .direct_step import DirectDecodeStep
 from .generate import attach_step, decode_one_token, prefill
 from .preprocess import chat_messages, tokenize_prompt
-from .quantize import keeps_fp16_copy
+from .packing import keeps_fp16_copy
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ COMPILE_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_ba
 
 def compiles_when_auto(dtype: str, compute_dtype: str, kernels: str) -> bool:
     """Whether VLSCOPE_COMPILE=auto compiles the decode step: only bfloat16 computing in bfloat16, and only where
-    packing leaves it without fbgemm's float16 copy (engine/quantize.py, fp16_packed): one-row products on it read
+    packing leaves it without fbgemm's float16 copy (engine/packing.py, fp16_packed): one-row products on it read
     the weights faster than the compiled step's oneDNN products, with no compile at load."""
     return (dtype == "bfloat16" and compute_dtype == "bfloat16"
             and not (kernels == "packed" and keeps_fp16_copy(compute_dtype)))
@@ -75,7 +75,7 @@ def prepare(loaded, mode: str, kernels: str, cache_dir: Path, progress=None) -> 
     if mode == "auto" and not compiles_when_auto(loaded.dtype, loaded.compute_dtype, kernels):
         if getattr(loaded.model.lm_head, "one_row_dtype", None) is not None:
             return None, ("eager decode: bfloat16 decodes on fbgemm's float16 copy of the weights, as fast as "
-                          "compiled with no compile (engine/quantize.py, fp16_packed); VLSCOPE_COMPILE=on forces it")
+                          "compiled with no compile (engine/packing.py, fp16_packed); VLSCOPE_COMPILE=on forces it")
         return None, (f"eager decode: {loaded.dtype} weights with {loaded.compute_dtype} compute decode no faster "
                       "compiled, or do not fit twice in memory (engine/decode_step.py); VLSCOPE_COMPILE=on forces it")
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir))

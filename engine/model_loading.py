@@ -24,18 +24,9 @@ from .decode_step import compiles_when_auto
 from .errors import ModelUnavailable
 from .fusion import stack_projections_
 from .memory import release_freed_memory
-from .quantize import (
-    INT8_WITHOUT_VNNI,
-    LINEAR_KINDS,
-    compute_in_float32_,
-    has_int8_dot_product,
-    keeps_fp16_copy,
-    linear_weight_bytes,
-    pack_linears_,
-    packing_unavailable,
-    packing_works,
-    quantize_int8_,
-)
+from .packing import keeps_fp16_copy, pack_linears_, packing_unavailable, packing_works
+from .quantize import (INT8_WITHOUT_VNNI, LINEAR_KINDS, compute_in_float32_, has_int8_dot_product, linear_weight_bytes,
+                       quantize_int8_)
 from .system import bfloat16_matmul_is_faster
 
 log = logging.getLogger(__name__)

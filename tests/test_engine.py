@@ -15,8 +15,8 @@ from engine.metrics import PeakRss
 from engine.fusion import StackedPart, stack_projections_, stacked_products
 from engine.model_loading import decode_weight_bytes, load_model
 from engine.preprocess import chat_messages, patchify_images, tokenize_prompt
-from engine.quantize import (Bf16Embedding, Bf16Linear, Int8Linear, PackedLinear, has_int8_dot_product,
-                             keeps_fp16_copy, packing_works)
+from engine.packing import PackedLinear, keeps_fp16_copy, packing_works
+from engine.quantize import Bf16Embedding, Bf16Linear, Int8Linear, has_int8_dot_product
 
 # Tests of the kernels a CPU may or may not have: tests/test_isa.py runs them again under AVX2-only dispatch.
 kernels = pytest.mark.kernels

@@ -13,7 +13,8 @@ import sys
 import pytest
 import torch
 
-from engine.quantize import has_int8_dot_product, packing_works
+from engine.packing import packing_works
+from engine.quantize import has_int8_dot_product
 from engine.system import AVX2_DISPATCH, _ABOVE_AVX2, cpu_flags, held_to_avx2
 
 from .conftest import ROOT
