@@ -74,6 +74,15 @@ def ask(page, expect, text: str) -> None:
     raise AssertionError("the question was never sent: the chat box kept losing its text")
 
 
+def open_chat(playwright, expect, url: str, height: int):
+    """Headless Chromium on the app's chat page, once it has drawn."""
+    browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+    page = browser.new_page(viewport={"width": 1400, "height": height})
+    page.goto(url, wait_until="domcontentloaded")
+    expect(page.get_by_role("heading", name="Chat")).to_be_visible(timeout=120_000)
+    return browser, page
+
+
 def test_upload_ask_stream_and_profile(server, images_dir, tmp_path):
     if not Path(CHROMIUM).exists():
         pytest.fail(f"Chromium not found at {CHROMIUM}: install Debian's chromium (see .ci/run)")
@@ -81,10 +90,7 @@ def test_upload_ask_stream_and_profile(server, images_dir, tmp_path):
 
     url, db = server
     with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        page.goto(url, wait_until="domcontentloaded")
-        expect(page.get_by_role("heading", name="Chat")).to_be_visible(timeout=120_000)
+        browser, page = open_chat(playwright, expect, url, 1000)
 
         page.locator('[data-testid="stFileUploaderDropzoneInput"]').set_input_files(str(images_dir / "page.png"))
         # The upload's rerun draws the preview and redraws the chat box: text typed before it lands is lost.
@@ -164,10 +170,7 @@ def test_pdf_pages_picked_asked_and_profiled(server, images_dir, tmp_path):
     pdf.write_bytes(pdfs.from_images([images_dir / "page.png", images_dir / "text.png", images_dir / "coffee.png"]))
     url, db = server
     with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 1100})
-        page.goto(url, wait_until="domcontentloaded")
-        expect(page.get_by_role("heading", name="Chat")).to_be_visible(timeout=120_000)
+        browser, page = open_chat(playwright, expect, url, 1100)
         page.locator('[data-testid="stFileUploaderDropzoneInput"]').set_input_files(str(pdf))
         expect(page.get_by_text("pages 1-3 of 3")).to_be_visible(timeout=60_000)
         first = page.get_by_label("scan.pdf: first page")
