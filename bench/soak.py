@@ -45,7 +45,9 @@ KINDS = ("good", "good", "good", "bad_image", "too_long", "cancel", "disconnect"
 HOSTILE = ("bomb", "deep_json", "bad_json", "nan", "string_bool", "stream_options", "text_plain", "evil_origin",
            "evil_host", "private_url", "huge_max_tokens", "oversized", "no_key", "non_ascii_key", "tools",
            # the second hostile set
-           "huge_prompt", "wide_json", "many_images", "long_model", "control_tokens", "ui_foreign_host")
+           "huge_prompt", "wide_json", "many_images", "long_model", "control_tokens", "ui_foreign_host",
+           "slow_body", "half_header")
+SLOW_S = 2  # a hostile run's header and body deadlines: a slow client is cut off within seconds
 GIF_1X1 = "data:image/gif;base64,R0lGODlhAQABAIAAAAAAAP///yH5BAEAAAAALAAAAAABAAEAAAIBRAA7"
 KEY = "soak-key"  # the API key of a hostile run's server
 MAX_BODY = 4 * 1024 * 1024  # a hostile run's body limit, so an oversized body stays cheap to send
@@ -105,8 +107,33 @@ def _bomb_content() -> list:
     return [{"type": "text", "text": "What is this?"}] + [{"type": "image_url", "image_url": {"url": url}}] * 8
 
 
+def _slow(url: str, kind: str) -> str:
+    """A client that sends half a header, or a body a byte at a time: 'closed' when the server cut it off without an
+    answer, the status code when it answered, 'held-open' when it did neither within four deadlines."""
+    host, port = url.split("//", 1)[1].split("/", 1)[0].split(":")
+    with socket.create_connection((host, int(port)), timeout=SLOW_S * 4) as connection:
+        head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        connection.sendall(head + (b"X-Slow: " if kind == "half_header" else
+                                   f"Authorization: Bearer {KEY}\r\nContent-Type: application/json\r\n"
+                                   "Content-Length: 1000\r\n\r\n{".encode()))
+        answer = b""
+        try:
+            while b"\r\n" not in answer:
+                part = connection.recv(4096)
+                if not part:
+                    break
+                answer += part
+        except (TimeoutError, socket.timeout):
+            return "held-open"
+        except ConnectionResetError:
+            return "closed"
+    return answer.split(b" ", 2)[1].decode() if answer.startswith(b"HTTP/") else "closed"
+
+
 def _hostile(client: httpx.Client, url: str, kind: str) -> str:
     """One hostile request; returns the status code the server answered with."""
+    if kind in ("slow_body", "half_header"):
+        return _slow(url, kind)
     hi = [{"role": "user", "content": "hi"}]
     json_headers = {"Content-Type": "application/json"}
     if kind == "ui_foreign_host":  # the app's page, as a DNS-rebinding page would reach it
@@ -219,7 +246,8 @@ def soak(model: str, requests: int, clients: int, seconds: float, workdir: Path,
     port, db = _free_port(), workdir / "soak.db"
     env = dict(os.environ, VLSCOPE_MODEL=model, VLSCOPE_DB=str(db), VLSCOPE_MAX_NEW_TOKENS=str(LONG),
                VLSCOPE_API_ALLOW_IGNORE_EOS="on", VLSCOPE_API_KEYS=KEY if hostile else "",
-               VLSCOPE_API_MAX_BODY_BYTES=str(MAX_BODY),
+               VLSCOPE_API_MAX_BODY_BYTES=str(MAX_BODY), VLSCOPE_API_BODY_SECONDS=str(SLOW_S),
+               VLSCOPE_API_HEADER_SECONDS=str(SLOW_S),
                VLSCOPE_MAX_QUEUE=str(clients + 2), VLSCOPE_MAX_INPUT_TOKENS="4096")
     log = open(workdir / "server.log", "w")
     server = subprocess.Popen([sys.executable, "-m", "uvicorn", "streamlit_app:app", "--host", "127.0.0.1", "--port", str(port)],
@@ -321,7 +349,9 @@ def soak(model: str, requests: int, clients: int, seconds: float, workdir: Path,
         "records": len(records),
         "records_by_status": statuses,
         "refusals_counted_not_recorded": unrecorded,
-        "one_record_per_request": len(records) + unrecorded == sent + 3 + app_requests,
+        # Half a header never becomes a request: nothing to record.
+        "one_record_per_request": len(records) + unrecorded + outcomes.get("half_header:closed", 0)
+                                  == sent + 3 + app_requests,
         "records_left_running": statuses.get("running", 0),
         "server_errors": sum(n for k, n in outcomes.items() if re.search(r":5\d\d$", k) or "client-error" in k),
         "queue_wait_p50_s": float(np.percentile(waits, 50)) if waits else None,
