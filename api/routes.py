@@ -103,8 +103,14 @@ def _engine_error(exc: VlscopeError) -> ApiError:
     return error
 
 
+def body_limit(max_image_bytes: int) -> int:
+    """The body an allowed request can need: one image at the byte limit, base64-encoded, and 1 MiB for the rest
+    (no text over the prompt limit's characters gets that far)."""
+    return max_image_bytes * 4 // 3 + 4 + (1 << 20)
+
+
 async def _read_json(request: Request) -> dict:
-    limit = server_settings().api_max_body_bytes
+    limit = server_settings().api_max_body_bytes or body_limit(engine_slot().config.max_image_bytes)
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"the request body is over the {limit // 1_000_000} MB limit", code="body_too_large")

@@ -145,7 +145,8 @@ class ServerSettings:
     api_keys: tuple[str, ...] = ()
     # Hosts the API may fetch http(s) image URLs from; empty: images come only as data: URLs.
     api_image_hosts: tuple[str, ...] = ()
-    api_max_body_bytes: int = 64 * 1024 * 1024
+    # 0: what an allowed request can need, one image at max_image_bytes in base64 plus 1 MiB of text and structure.
+    api_max_body_bytes: int = 0
     # A request body must arrive within this many seconds: a client sending a byte a second is cut off.
     api_body_seconds: float = 30.0
     # A connection's request headers must be complete this long after it opens (or after its last response).
@@ -172,8 +173,8 @@ class ServerSettings:
     fallback_model: str = str(SKELETON_DIR)
 
     def __post_init__(self) -> None:
-        if self.api_max_body_bytes < 1:
-            raise ValueError("api_max_body_bytes must be at least 1")
+        if self.api_max_body_bytes < 0:
+            raise ValueError("api_max_body_bytes must be >= 0 (0: sized to the image limit)")
         if self.api_body_seconds <= 0 or self.api_header_seconds <= 0:
             raise ValueError("api_body_seconds and api_header_seconds must be above 0")
         if self.api_max_connections_per_address < 1:
