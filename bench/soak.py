@@ -32,9 +32,11 @@ import numpy as np
 import psutil
 from PIL import Image
 
-from engine.config import PROJECT_DIR, EngineConfig, chromium_binary
 from api.refusals import TALLIED
+from engine.config import PROJECT_DIR, EngineConfig, chromium_binary
 from engine.store import MetricsStore
+
+from .hostile_backend import serve as serve_hostile_backend
 
 LONG = 400  # tokens of the requests a client cancels or abandons: the server's answer length cap too
 # How long a non-streaming client waits before it gives up. The tiny model answers LONG tokens in 1.3-1.6 s alone;
@@ -46,7 +48,7 @@ HOSTILE = ("bomb", "deep_json", "bad_json", "nan", "string_bool", "stream_option
            "evil_host", "private_url", "huge_max_tokens", "oversized", "no_key", "non_ascii_key", "tools",
            # the second hostile set
            "huge_prompt", "wide_json", "many_images", "long_model", "control_tokens", "ui_foreign_host",
-           "slow_body", "half_header")
+           "slow_body", "half_header", "hostile_backend")
 SLOW_S = 2  # a hostile run's header and body deadlines: a slow client is cut off within seconds
 GIF_1X1 = "data:image/gif;base64,R0lGODlhAQABAIAAAAAAAP///yH5BAEAAAAALAAAAAABAAEAAAIBRAA7"
 KEY = "soak-key"  # the API key of a hostile run's server
@@ -241,6 +243,25 @@ def _one(client: httpx.Client, base: str, kind: str, rng: random.Random) -> str:
         return "disconnected"
 
 
+def _start_server(env: dict, port: int, log_path: Path) -> tuple[subprocess.Popen, object]:
+    log = open(log_path, "w")
+    server = subprocess.Popen([sys.executable, "-m", "uvicorn", "streamlit_app:app", "--host", "127.0.0.1", "--port",
+                               str(port)], cwd=PROJECT_DIR, env=env, stdout=log, stderr=subprocess.STDOUT)
+    return server, log
+
+
+def _wait_ready(base: str, log_path: Path) -> None:
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"the server did not become ready; see {log_path}")
+
+
 def soak(model: str, requests: int, clients: int, seconds: float, workdir: Path, report=print,
          app_sessions: int = 1, app_chats: int = 3, hostile: bool = False) -> dict:
     port, db = _free_port(), workdir / "soak.db"
@@ -249,24 +270,24 @@ def soak(model: str, requests: int, clients: int, seconds: float, workdir: Path,
                VLSCOPE_API_MAX_BODY_BYTES=str(MAX_BODY), VLSCOPE_API_BODY_SECONDS=str(SLOW_S),
                VLSCOPE_API_HEADER_SECONDS=str(SLOW_S),
                VLSCOPE_MAX_QUEUE=str(clients + 2), VLSCOPE_MAX_INPUT_TOKENS="4096")
-    log = open(workdir / "server.log", "w")
-    server = subprocess.Popen([sys.executable, "-m", "uvicorn", "streamlit_app:app", "--host", "127.0.0.1", "--port", str(port)],
-                              cwd=PROJECT_DIR, env=env, stdout=log, stderr=subprocess.STDOUT)
+    server, log = _start_server(env, port, workdir / "server.log")
     base = f"http://127.0.0.1:{port}"
+    # A hostile run also puts a second vlscope in front of a backend that answers badly (VLSCOPE_REMOTE_URL).
+    backend = front = front_log = None
+    front_db = workdir / "front.db"
+    if hostile:
+        backend, backend_url = serve_hostile_backend()
+        front_port = _free_port()
+        front, front_log = _start_server(dict(os.environ, VLSCOPE_REMOTE_URL=backend_url, VLSCOPE_DB=str(front_db)),
+                                         front_port, workdir / "front.log")
+    front_base = f"http://127.0.0.1:{front_port}" if hostile else None
     outcomes: dict[str, int] = {}
     lock = threading.Lock()
     sent = 0
     try:
-        deadline = time.time() + 300
-        while time.time() < deadline:
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        else:
-            raise RuntimeError("the server did not become ready; see " + str(workdir / "server.log"))
+        _wait_ready(base, workdir / "server.log")
+        if hostile:
+            _wait_ready(front_base, workdir / "front.log")
 
         def record(outcome: str) -> None:
             with lock:
@@ -311,6 +332,11 @@ def soak(model: str, requests: int, clients: int, seconds: float, workdir: Path,
                     kind = plan.pop()
                     sent += 1
                 try:
+                    if kind == "hostile_backend":  # through the front server, to the backend that answers badly
+                        answer = httpx.post(f"{front_base}/v1/chat/completions", timeout=60, json={
+                            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+                        record(f"{kind}:{answer.status_code}")
+                        continue
                     record(f"{kind}:{_one(client, base, kind, rng)}")
                 except httpx.HTTPError as exc:
                     record(f"{kind}:client-error:{type(exc).__name__}")
@@ -329,9 +355,15 @@ def soak(model: str, requests: int, clients: int, seconds: float, workdir: Path,
         health = httpx.get(f"{base}/health", timeout=10).json()
         metrics_text = httpx.get(f"{base}/metrics", headers=keyed, timeout=10).text
     finally:
-        server.terminate()
-        server.wait(30)
-        log.close()
+        for process_, log_ in ((server, log), (front, front_log)):
+            if process_ is not None:
+                process_.terminate()
+                process_.wait(30)
+                log_.close()
+        if backend is not None:
+            backend.shutdown()
+    through_front = sum(n for key, n in outcomes.items() if key.startswith("hostile_backend:"))
+    front_records = [r for r in MetricsStore(front_db).between(0) if not r.warmup] if hostile else []
     records = [r for r in MetricsStore(db).between(0) if not r.warmup]
     # Refusals the guard turns away in bulk are counted in /metrics and recorded once a minute per kind.
     tallied = sum(int(line.rsplit(" ", 1)[1]) for line in metrics_text.splitlines()
@@ -350,9 +382,10 @@ def soak(model: str, requests: int, clients: int, seconds: float, workdir: Path,
         "records_by_status": statuses,
         "refusals_counted_not_recorded": unrecorded,
         # Half a header never becomes a request: nothing to record.
-        "one_record_per_request": len(records) + unrecorded + outcomes.get("half_header:closed", 0)
-                                  == sent + 3 + app_requests,
-        "records_left_running": statuses.get("running", 0),
+        "one_record_per_request": len(records) + unrecorded + outcomes.get("half_header:closed", 0) + through_front
+                                  == sent + 3 + app_requests and len(front_records) == through_front,
+        "records_left_running": statuses.get("running", 0) + sum(r.status == "running" for r in front_records),
+        "hostile_backend_records": {r.status: sum(x.status == r.status for x in front_records) for r in front_records},
         "server_errors": sum(n for k, n in outcomes.items() if re.search(r":5\d\d$", k) or "client-error" in k),
         "queue_wait_p50_s": float(np.percentile(waits, 50)) if waits else None,
         "queue_wait_p95_s": float(np.percentile(waits, 95)) if waits else None,

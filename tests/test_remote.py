@@ -1,10 +1,7 @@
 """A vlscope pointed at another vlscope: the remote backend over real HTTP, in the engine, the API and the app."""
 from __future__ import annotations
 
-import json
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import openai
 import pytest
@@ -12,6 +9,7 @@ from streamlit.testing.v1 import AppTest
 
 from engine import (STAGES, Busy, ChatRequest, EngineConfig, GenerationFailed, InvalidImage, MetricsStore,
                     PromptTooLong, RequestMetrics, TextChunk)
+from bench.hostile_backend import HOSTILE_ANSWERS, serve
 from engine.remote import RemoteEngine
 from server.slot import shutdown
 
@@ -95,54 +93,10 @@ def test_vlscope_in_front_of_vlscope_api_and_app(backend, tiny_model, images_dir
         shutdown()
 
 
-TEXT = {"choices": [{"delta": {"content": "fine"}}]}
-# Answers that parse but carry what a record, a chart or a client must not take as it is.
-HOSTILE_ANSWERS = {
-    "metrics list": dict(TEXT, metrics=[1, 2]),
-    "stages string": dict(TEXT, metrics={"stages": "abc", "vision_tokens": "many"}),
-    "stage names": dict(TEXT, metrics={"stages": {"<a href='http://x'>s</a>": 1.0, "prefill": 0.5}}),
-    "usage strings": dict(TEXT, usage={"prompt_tokens": "abc", "completion_tokens": None}),
-    "content number": {"choices": [{"delta": {"content": 5}}]},
-}
-
-
-class MisbehavingServer(BaseHTTPRequestHandler):
-    """An OpenAI-style server gone wrong; the prompt says how: a malformed stream line, an error that is a bare
-    string, a stream line that is not an object, or a slow answer."""
-
-    def do_GET(self):
-        self._send(200, "application/json", json.dumps({"data": [{"id": "broken"}]}).encode())
-
-    def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        prompt = body["messages"][-1]["content"]
-        lines = {"malformed": "data: {not json", "string error": 'data: {"error": "boom"}',
-                 "list": "data: [1, 2]", "choices": 'data: {"choices": ["x"]}'}
-        lines |= {prompt: "data: " + json.dumps(line) for prompt, line in HOSTILE_ANSWERS.items()}
-        if prompt == "slow":
-            time.sleep(2)
-            line = 'data: {"choices": [{"delta": {"content": "late"}}]}'
-        else:
-            line = lines[prompt]
-        self._send(200, "text/event-stream", f"{line}\n\ndata: [DONE]\n\n".encode())
-
-    def _send(self, status, kind, payload):
-        self.send_response(status)
-        self.send_header("Content-Type", kind)
-        self.send_header("Content-Length", str(len(payload)))
-        self.end_headers()
-        self.wfile.write(payload)
-
-    def log_message(self, *args):
-        pass
-
-
 def test_remote_failures_end_with_an_error_and_a_record_and_the_queue_bound_holds(tmp_path):
-    server = ThreadingHTTPServer(("127.0.0.1", 0), MisbehavingServer)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server, url = serve()
     try:
-        config = EngineConfig(remote_url=f"http://127.0.0.1:{server.server_address[1]}/v1",
-                              db_path=str(tmp_path / "client.db"), max_queue=1)
+        config = EngineConfig(remote_url=url, db_path=str(tmp_path / "client.db"), max_queue=1)
         engine = RemoteEngine(config)
         for prompt in ("malformed", "string error", "list", "choices"):
             with pytest.raises(GenerationFailed) as caught:
@@ -167,18 +121,16 @@ def test_a_hostile_backends_answers_are_checked_like_user_input(tmp_path):
     """Malformed metrics, usage and content are dropped with a note; the record always ends; a chart of it draws."""
     from ui.charts import server_stages, stage_bars
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), MisbehavingServer)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server, url = serve()
     try:
-        config = EngineConfig(remote_url=f"http://127.0.0.1:{server.server_address[1]}/v1",
-                              db_path=str(tmp_path / "client.db"))
+        config = EngineConfig(remote_url=url, db_path=str(tmp_path / "client.db"))
         engine = RemoteEngine(config)
         records = {prompt: engine.ask(ChatRequest(prompt=prompt)).metrics for prompt in HOSTILE_ANSWERS}
         engine.close()
     finally:
         server.shutdown()
     assert all(record.status == "ok" for record in records.values())
-    assert all(record.server_metrics["dropped"] for record in records.values())
+    assert all(record.server_metrics["dropped"] for prompt, record in records.items() if prompt != "tracking image")
     assert records["stages string"].vision_tokens == 0
     assert server_stages(records["stage names"]) == {"queue_wait": 0.0, "prefill": 0.5}
     assert records["usage strings"].prompt_tokens == 0
