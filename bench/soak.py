@@ -243,6 +243,33 @@ def _one(client: httpx.Client, base: str, kind: str, rng: random.Random) -> str:
         return "disconnected"
 
 
+APP_PASSWORD, SIGN_IN_ATTEMPTS = "soak-team", 3  # the front server's app sign-in, in a hostile run
+
+
+def _lockout(base: str) -> str:
+    """A browser that guesses the app's password: after SIGN_IN_ATTEMPTS wrong ones, even the right one is refused
+    in that session ('locked'); 'not-locked' when it signs in."""
+    from playwright.sync_api import expect, sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page()
+            page.goto(base, wait_until="domcontentloaded")
+            box = page.get_by_label("Password", exact=True)
+            box.wait_for(timeout=120_000)
+            for attempt in range(SIGN_IN_ATTEMPTS + 1):
+                box.fill(APP_PASSWORD if attempt == SIGN_IN_ATTEMPTS else f"guess-{attempt}")
+                page.get_by_role("button", name="Sign in").click()
+                time.sleep(0.5 * (attempt + 1) + 1.5)  # each failure is answered later than the one before
+            expect(page.get_by_text("Too many failed attempts")).to_be_visible(timeout=30_000)
+            return "locked"
+        except Exception as exc:  # the page never locked, or never drew: either way the check failed
+            return f"not-locked ({type(exc).__name__})"
+        finally:
+            browser.close()
+
+
 def _start_server(env: dict, port: int, log_path: Path) -> tuple[subprocess.Popen, object]:
     log = open(log_path, "w")
     server = subprocess.Popen([sys.executable, "-m", "uvicorn", "streamlit_app:app", "--host", "127.0.0.1", "--port",
@@ -278,7 +305,9 @@ def soak(model: str, requests: int, clients: int, seconds: float, workdir: Path,
     if hostile:
         backend, backend_url = serve_hostile_backend()
         front_port = _free_port()
-        front, front_log = _start_server(dict(os.environ, VLSCOPE_REMOTE_URL=backend_url, VLSCOPE_DB=str(front_db)),
+        front, front_log = _start_server(dict(os.environ, VLSCOPE_REMOTE_URL=backend_url, VLSCOPE_DB=str(front_db),
+                                              VLSCOPE_APP_PASSWORD=APP_PASSWORD,
+                                              VLSCOPE_SIGN_IN_ATTEMPTS=str(SIGN_IN_ATTEMPTS)),
                                          front_port, workdir / "front.log")
     front_base = f"http://127.0.0.1:{front_port}" if hostile else None
     outcomes: dict[str, int] = {}
@@ -351,6 +380,8 @@ def soak(model: str, requests: int, clients: int, seconds: float, workdir: Path,
             thread.join()
         time.sleep(2)  # the last cancelled generations finish their bookkeeping
         watch.finish()
+        if hostile and Path(CHROMIUM).exists():  # after the watch: a browser's start is no server's stall
+            record(f"lockout:{_lockout(front_base)}")
         rss_end = process.memory_info().rss
         health = httpx.get(f"{base}/health", timeout=10).json()
         metrics_text = httpx.get(f"{base}/metrics", headers=keyed, timeout=10).text
@@ -427,6 +458,7 @@ def main(argv: list[str] | None = None) -> int:
                and result["health_at_end"] == "ready" and "app:no-answer" not in result["outcomes"])
     if args.hostile:
         healthy = healthy and result["rss_growth_bytes"] < 200 * 2**20 and result["health_max_s"] < 0.1
+        healthy = healthy and not any(key.startswith("lockout:not-locked") for key in result["outcomes"])
     return 0 if healthy else 1
 
 

@@ -165,6 +165,8 @@ class ServerSettings:
     allowed_origins: tuple[str, ...] = ()
     # A shared password for the app, for a small team without an OIDC provider.
     app_password: str = ""
+    # Failed passwords within five minutes from one browser session or client address before it is locked out.
+    sign_in_attempts: int = 10
     # Who may change the Settings page when sign-in is on: signed-in users with these emails (OIDC), or anyone who
     # enters the admin password. With sign-in off, everyone who reaches the app is an admin.
     admins: tuple[str, ...] = ()
@@ -177,6 +179,8 @@ class ServerSettings:
             raise ValueError("api_max_body_bytes must be >= 0 (0: sized to the image limit)")
         if self.api_body_seconds <= 0 or self.api_header_seconds <= 0:
             raise ValueError("api_body_seconds and api_header_seconds must be above 0")
+        if self.sign_in_attempts < 1:
+            raise ValueError("sign_in_attempts must be at least 1")
         if self.api_max_connections_per_address < 1:
             raise ValueError("api_max_connections_per_address must be at least 1")
 

@@ -194,7 +194,7 @@ def test_wrong_passwords_lock_out_and_settings_need_an_admin(app_on_tiny, tiny_m
 
     monkeypatch.setenv("VLSCOPE_APP_PASSWORD", "team")
     monkeypatch.setenv("VLSCOPE_ADMIN_PASSWORD", "boss")
-    monkeypatch.setattr(ui.access, "LOCKOUT_AFTER", 2)  # the setting under test, lowered to keep the test short
+    monkeypatch.setenv("VLSCOPE_SIGN_IN_ATTEMPTS", "2")  # lowered to keep the test short
     ui.access._failures.clear()
     try:
         at = app_on_tiny().run()
@@ -225,7 +225,8 @@ def test_a_lockout_holds_for_that_session_or_address_only(monkeypatch):
     signs in while one is locked out; the locked-out address stays locked from a new session too."""
     import ui.access
 
-    monkeypatch.setattr(ui.access, "LOCKOUT_AFTER", 3)
+    monkeypatch.setenv("VLSCOPE_SIGN_IN_ATTEMPTS", "3")
+    shutdown()  # the settings are read afresh
     ui.access._failures.clear()
     try:
         attacker = ["session:a", "address:10.9.8.7"]
@@ -236,6 +237,7 @@ def test_a_lockout_holds_for_that_session_or_address_only(monkeypatch):
         assert ui.access._locked_for(["session:c", "address:10.9.8.7"]) > 0  # the same machine, a new tab
     finally:
         ui.access._failures.clear()
+        shutdown()
 
 
 def test_metrics_scrape_costs_the_same_at_50000_records(tmp_path):

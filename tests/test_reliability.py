@@ -55,6 +55,7 @@ def test_hostile_soak_short(tiny_model, tmp_path):
     assert len(hostile) == 22 and all(key.split(":")[1][0] == "4" for key in hostile)
     assert set(result["outcomes"]) >= {"slow_body:408", "half_header:closed", "hostile_backend:200"}
     assert result["hostile_backend_records"] == {"ok": 3}  # its answers checked, every record ended
+    assert result["outcomes"]["lockout:locked"] == 1  # a browser guessing the app's password is locked out
     assert result["records_left_running"] == 0
     assert result["health_max_s"] < 0.1 and result["rss_growth_bytes"] < 200 * 2**20
 

@@ -21,7 +21,6 @@ from server.slot import server_settings
 log = logging.getLogger(__name__)
 
 FAILURE_WINDOW_S = 300.0
-LOCKOUT_AFTER = 10  # failed passwords within the window from one session or one address: its attempts then wait
 _failures: dict[str, deque[float]] = {}  # "session:<id>" or "address:<ip>" -> times of its failed attempts
 _failures_lock = threading.Lock()
 
@@ -66,7 +65,7 @@ def _locked_for(keys: list[str]) -> float:
     now = time.monotonic()
     with _failures_lock:
         waits = [FAILURE_WINDOW_S - (now - times[0]) for times in (_recent(key, now) for key in keys)
-                 if len(times) >= LOCKOUT_AFTER]
+                 if len(times) >= server_settings().sign_in_attempts]
     return max(waits, default=0.0)
 
 
@@ -84,7 +83,7 @@ def _record_failure(keys: list[str]) -> dict[str, int]:
 
 def _check_password(entered: str, expected: str, what: str) -> bool:
     """Constant-time compare; a failure waits longer the more failures this session or address had lately, and is
-    logged; at LOCKOUT_AFTER within the window that session or address is locked out, nobody else."""
+    logged; at sign_in_attempts within the window that session or address is locked out, nobody else."""
     keys = _who()
     wait = _locked_for(keys)
     if wait:
@@ -97,7 +96,7 @@ def _check_password(entered: str, expected: str, what: str) -> bool:
     log.warning("failed %s attempt (%d in the last %d s from %s)", what, count, int(FAILURE_WINDOW_S),
                 ", ".join(keys))
     for key, seen in counts.items():
-        if seen == LOCKOUT_AFTER:
+        if seen == server_settings().sign_in_attempts:
             log.warning("%s locked out of %s for %d s after %d failed attempts", key, what, int(FAILURE_WINDOW_S), seen)
     time.sleep(min(5.0, 0.5 * count))
     st.error("Wrong password.")
