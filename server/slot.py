@@ -1,4 +1,4 @@
-"""One engine per server process, shared by every session of the UI and by the HTTP API.
+"""One engine per server process, shared by every user of the UI and by the HTTP API.
 
 The engine sits in a process-wide slot; the current settings live beside it, and a change swaps the engine for
 everyone. Nothing here draws: the UI's progress bar (ui/engine_resource.py) and the API both load through
