@@ -13,7 +13,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Union
+from typing import Callable, Iterator, Union
 
 import psutil
 import torch
@@ -354,6 +354,24 @@ class Engine(StreamingMixin):
         trace.announce(DECODE)
         return sequence
 
+    def _wait_for_memory(self, job: Job, fits: Callable[[], None]):
+        """Admission piece by piece while `fits()` refuses only for the room the running answers hold: the request
+        waits a decode step at a time until they end. Refused (InsufficientMemory) when it would not fit even
+        alone; False when it was cancelled while waiting."""
+        while True:
+            try:
+                fits()
+                return True
+            except InsufficientMemory:
+                if not self._running:
+                    raise
+            if not job.waiting_for_memory:
+                job.waiting_for_memory = True
+                log.info("request %s waits for the running answers' memory", job.id)
+            yield
+            if job.cancelled.is_set():
+                return False
+
     def _reserved_bytes(self) -> int:
         """Keys and values the running answers will still add, up to their length limits."""
         step = self._decode_step
@@ -374,9 +392,15 @@ class Engine(StreamingMixin):
         with trace.stage(PREPROCESS):
             prepared = prepare_input(job, pictures, loaded, config, self.info.context_length)
             prompt, sizes, keys = prepared.prompt, prepared.sizes, prepared.keys
+
+        def fits() -> None:
             check_memory(model.config, sizes, trace.prompt_tokens, trace.max_new_tokens, loaded.compute_dtype,
-                         isinstance(self._decode_step, DirectDecodeStep), config.memory_limit_bytes,
+                         isinstance(self._decode_step, DirectDecodeStep), self.config.memory_limit_bytes,
                          self._reserved_bytes())
+
+        if not (yield from self._wait_for_memory(job, fits)):
+            return None
+        with trace.stage(PREPROCESS):
             spans = image_spans(prompt.mm_token_type_ids)
             reuse = config.kv_cache and request.reuse_cache
             reused, start = self._prefix_cache.take(prompt.input_ids, keys, spans) if reuse else (None, 0)

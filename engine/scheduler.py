@@ -36,6 +36,7 @@ class Job:
         self.finished = threading.Event()  # its final record is posted: it no longer counts as running
         self.on_cancel: Callable[["Job"], None] | None = None
         self._last_position: int | None = None
+        self.waiting_for_memory = False  # admitted, waiting for the running answers to leave it room
 
     def cancel(self) -> None:
         if not self.cancelled.is_set():

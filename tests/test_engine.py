@@ -783,3 +783,49 @@ def test_control_tokens_in_text_are_refused_before_any_work(engine):
     with pytest.raises(InvalidPrompt):
         engine.submit(ChatRequest(prompt="Next", history=(Turn("user", "a <|vision_start|> b"), Turn("assistant", "ok"))))
     assert engine.ask(ChatRequest(prompt="Plain <|text|> and <b>tags</b>", max_new_tokens=2)).metrics.status == "ok"
+
+
+def test_a_request_that_fits_only_alone_waits_for_the_running_answers(make_engine, caplog):
+    """Memory held for a running answer's keys and values makes a newcomer wait, a step at a time, not fail: it runs
+    once that answer ends. One that would not fit even alone is still refused at once."""
+    from engine import InsufficientMemory
+    from engine.memory import estimate_request_bytes
+
+    engine = make_engine(max_batch=4)
+    requests = [ChatRequest(prompt=prompt, max_new_tokens=1500, ignore_eos=True) for prompt in ("One", "Two")]
+    tokens = engine.ask(ChatRequest(prompt="One", max_new_tokens=2)).metrics.prompt_tokens
+    need = estimate_request_bytes(engine.loaded.model.config, 0, tokens, 1500, 4, float32_decode_cache=True)
+    engine.config = engine.config.replace(memory_limit_bytes=need)  # room for one of them, not for both
+    running = engine.submit(requests[0])
+    running_events = running.events()
+    first_text(running_events)
+    with caplog.at_level("INFO", logger="engine.engine"):
+        waiting = engine.submit(requests[1])
+        (text, metrics), = [engine_answer(waiting)]
+    finished = [e for e in running_events if isinstance(e, RequestMetrics)][0]
+    assert finished.status == "ok" and metrics.status == "ok" and text  # it waited, it was not refused
+    assert f"request {waiting.id} waits for the running answers' memory" in caplog.text
+    # It began once the first answer's remaining keys and values left it room: at least part of its decode alone.
+    assert metrics.decode_batch_sizes[-1] == 1 and metrics.ttft_s > 0
+    engine.config = engine.config.replace(memory_limit_bytes=need // 2)
+    with pytest.raises(InsufficientMemory):
+        engine.ask(requests[0])
+
+
+def test_follow_ups_from_the_prefix_cache_decode_in_a_batch_as_alone(make_engine, images_dir):
+    """Two conversations' follow-up questions, each reusing its own cached picture and answer, decode together and
+    give the answers they give alone (float32 greedy)."""
+    engine = make_engine(max_batch=4, prefix_cache_entries=4)
+    firsts = [ChatRequest(prompt="Describe", images=(images_dir / name,), max_new_tokens=8, ignore_eos=True)
+              for name in ("coffee.png", "chelsea.png")]
+    answers = [engine.ask(request) for request in firsts]
+    follow_ups = [ChatRequest(prompt="And the colours?", max_new_tokens=12, ignore_eos=True,
+                              history=(Turn("user", first.prompt, first.images), Turn("assistant", answer.text)))
+                  for first, answer in zip(firsts, answers)]
+    alone = [engine.ask(request) for request in follow_ups]
+    assert all(a.metrics.cached_prompt_tokens > 0 for a in alone)
+    handles = [engine.submit(request) for request in follow_ups]
+    together = [engine_answer(handle) for handle in handles]
+    for (text, metrics), reference in zip(together, alone):
+        assert text == reference.text and metrics.cached_prompt_tokens > 0
+    assert max(max(metrics.decode_batch_sizes) for _, metrics in together) == 2
