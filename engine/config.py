@@ -63,8 +63,8 @@ class EngineConfig:
     seed: int = 0
     warmup: bool = True
     max_queue: int = 8
-    # Sequences decoded together, one token each per step (engine/scheduler.py). 4: on 2 cores a step for four
-    # costs 1.1x (int8) to 1.9x (float32) a step for one (docs/decisions.md, batched decode).
+    # Sequences decoded together, one token each per step (engine/scheduler.py): a step for four costs little more
+    # than a step for one, since both read every weight once (docs/decisions.md, "Batched decode").
     max_batch: int = 4
     db_path: str = "data/vlscope.db"
     # Retention of the metrics database, pruned in the background as records are added (0: keep all).
