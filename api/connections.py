@@ -104,7 +104,3 @@ def _header_timeout(protocol) -> None:
                  protocol.client[0] if protocol.client else "?", protocol._vlscope_header_seconds)
         protocol.transport.close()
 
-
-def open_connections() -> dict[str, int]:
-    with _lock:
-        return dict(_open)
