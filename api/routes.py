@@ -18,7 +18,7 @@ from starlette.routing import Route
 
 from engine import (Busy, ChatRequest, InsufficientMemory, InvalidImage, InvalidPrompt, PromptTooLong, RequestHandle,
                     RequestMetrics, ServingEngine, StageStarted, TextChunk, VlscopeError)
-from engine.inputs import MIN_TOKENS_PER_MESSAGE
+from engine.inputs import max_messages
 from engine.trace import PREFILL, VISION_ENCODE, refusal_record
 from server.slot import engine_slot, ensure_loaded, get_store, server_settings, shutdown
 
@@ -71,7 +71,7 @@ def _request_from_body(body: dict, engine):
                            settings.api_image_private_networks, settings.api_image_fetch_seconds)
     config = engine.config
     return to_chat_request(body, fetcher, config.max_new_tokens, settings.api_allow_ignore_eos, config.max_images,
-                           config.max_input_tokens // MIN_TOKENS_PER_MESSAGE)
+                           max_messages(config))
 
 
 def _start_loading() -> None:

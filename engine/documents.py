@@ -18,7 +18,7 @@ from pathlib import Path
 from PIL import Image
 
 from .errors import InvalidImage, PromptTooLong
-from .images import fit_to_budget, vision_token_count
+from .images import fit_to_budget, read_source, vision_token_count
 
 PDF_MAGIC = b"%PDF-"
 TIFF_MAGICS = (b"II*\x00", b"MM\x00*")
@@ -105,9 +105,7 @@ def as_document(source, max_bytes: int) -> Document | None:
             return None  # the image reader says why
         if PDF_MAGIC not in head and not head.startswith(TIFF_MAGICS):
             return None
-        if path.stat().st_size > max_bytes:
-            raise InvalidImage(f"{path.name}: file is over the {max_bytes / 1e6:.0f} MB limit")
-        data, name = path.read_bytes(), path.name
+        data, _, name = read_source(path, max_bytes)
     else:
         return None
     if is_pdf(data):

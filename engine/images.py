@@ -40,7 +40,8 @@ class LoadedImage:
     document: str | None = None  # and the document's name
 
 
-def _read_source(source, max_bytes: int) -> tuple[bytes | None, Image.Image | None, str]:
+def read_source(source, max_bytes: int) -> tuple[bytes | None, Image.Image | None, str]:
+    """An image source's bytes (or the PIL image handed in) and its name, within the byte limit."""
     if isinstance(source, Image.Image):
         return None, source, "image"
     if isinstance(source, (bytes, bytearray, memoryview)):
@@ -100,7 +101,7 @@ def read_header(source, *, max_pixels: int, max_bytes: int, name: str | None = N
             raise InvalidImage(f"{source.name}: {width}x{height} is {width * height / 1e6:.0f} megapixels, over the "
                                f"{max_pixels / 1e6:.0f} megapixel limit")
         return ImageHeader(source.name, source.size, source.document.kind, None, None, source)
-    data, image, source_name = _read_source(source, max_bytes)
+    data, image, source_name = read_source(source, max_bytes)
     name = name or source_name
     with _readable(name, max_pixels):
         if image is None:

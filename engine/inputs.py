@@ -52,6 +52,11 @@ MAX_CHARS_PER_TOKEN = 16
 MIN_TOKENS_PER_MESSAGE = 4
 
 
+def max_messages(config) -> int:
+    """The most messages a conversation can carry within the prompt limit."""
+    return config.max_input_tokens // MIN_TOKENS_PER_MESSAGE
+
+
 def check_size(request, config) -> None:
     """Refuse, from counts alone and before any tokenizing or decoding, a request whose text, messages or images
     cannot fit: what a huge prompt would otherwise cost is paid before the limit could refuse it."""
@@ -61,9 +66,9 @@ def check_size(request, config) -> None:
         raise PromptTooLong(f"The text is {chars:,} characters; no text over {limit:,} fits the prompt limit of "
                             f"{config.max_input_tokens:,} tokens. Shorten it.")
     messages = len(request.history) + 1
-    if messages * MIN_TOKENS_PER_MESSAGE > config.max_input_tokens:
-        raise PromptTooLong(f"The conversation has {messages:,} messages; no more than "
-                            f"{config.max_input_tokens // MIN_TOKENS_PER_MESSAGE:,} fit the prompt limit.")
+    if messages > max_messages(config):
+        raise PromptTooLong(f"The conversation has {messages:,} messages; no more than {max_messages(config):,} fit "
+                            "the prompt limit.")
     images = len(request.images) + sum(len(turn.images) for turn in request.history)
     if images > config.max_images:
         raise InvalidImage(f"The request carries {images:,} images; at most {config.max_images} are read per request.")

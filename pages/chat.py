@@ -1,5 +1,4 @@
 """Chat page: pick or upload an image or a PDF, ask, watch the answer stream, see what it cost."""
-import io
 import logging
 from pathlib import Path
 
@@ -12,7 +11,7 @@ from ui.engine_resource import get_engine
 from ui.conversation import (PRESETS, ChatTurn, build_request, images_to_attach, inert_markdown, stats_line,
                              transcript)
 from engine.documents import Document
-from ui.documents import document_of, page_picker
+from ui.documents import document_of, page_picker, png_thumbnail
 from ui.documents import preview as page_preview
 
 log = logging.getLogger(__name__)
@@ -35,10 +34,7 @@ def thumbnail(data: bytes, max_pixels: int, max_bytes: int, name: str = "image")
         picture = load_image(data, max_pixels=max_pixels, max_bytes=max_bytes, name=name).image.copy()
     except InvalidImage as exc:
         return None, exc.message
-    picture.thumbnail((560, 560))
-    buffer = io.BytesIO()
-    picture.save(buffer, format="PNG")
-    return buffer.getvalue(), None
+    return png_thumbnail(picture, 560), None
 
 
 def preview(data: bytes | Document) -> bytes | None:

@@ -30,10 +30,15 @@ def _thumbnail(data: bytes, name: str, number: int, config: EngineConfig) -> tup
         picture = to_rgb(page.render())
     except (InvalidImage, PromptTooLong):
         return None, 0
-    picture.thumbnail((280, 280))
+    return png_thumbnail(picture, 280), page_tokens(page.size, config) - 2
+
+
+def png_thumbnail(picture, side: int) -> bytes:
+    """A PNG of the picture at most `side` pixels on its longer side: what the page hands the browser."""
+    picture.thumbnail((side, side))
     buffer = io.BytesIO()
     picture.save(buffer, format="PNG")
-    return buffer.getvalue(), page_tokens(page.size, config) - 2
+    return buffer.getvalue()
 
 
 def document_of(data: bytes, max_bytes: int) -> bool:
