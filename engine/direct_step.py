@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from .attention import single_query
 from .fusion import stacked_products
 from .generate import append_decoded
 
@@ -272,10 +273,8 @@ class DirectDecodeStep:
                 keys, values, position = kv.keys[index], kv.values[index], kv.length
                 keys[:, position].copy_(key[row])
                 values[:, position].copy_(value[row])
-                grouped = query[row].view(self.kv_heads, groups, self.head_dim)
-                probs = torch.softmax(torch.bmm(grouped, keys[:, :position + 1].transpose(1, 2)) * self.scaling,
-                                      dim=-1)
-                outputs.append(torch.bmm(probs, values[:, :position + 1]))
+                outputs.append(single_query(query[row].view(self.kv_heads, groups, self.head_dim),
+                                            keys[:, :position + 1], values[:, :position + 1], self.scaling))
             attended = outputs[0] if rows == 1 else torch.stack(outputs)
         for kv in kvs:
             kv.length += 1
