@@ -32,7 +32,7 @@ from .errors import (
 )
 from .direct_step import DirectDecodeStep
 from .generate import (DecodeState, Sampler, attach_step, decode_batch, decode_one_token, detach_step,
-                       encode_images_in_pieces, prefill, prefill_text)
+                       encode_images_in_pieces, prefill_in_pieces, prefill_text)
 from .documents import expand_documents
 from .images import load_request_images
 from .inputs import check_memory, check_size, check_text, control_tokens, ocr_pictures, prepare_input
@@ -62,9 +62,12 @@ from .trace import (
 
 log = logging.getLogger(__name__)
 
-# An admission's vision encode yields to the running answers once a piece has run this long: their longest pause is
-# about this plus one vision block, or the prefill, whichever is longer.
+# An admission's vision encode and prefill yield to the running answers once a piece has run this long: their
+# longest pause is about this plus one vision block or one prefill chunk.
 ADMISSION_PIECE_SECONDS = 0.6
+# Prompt tokens a prefill chunk holds beside running answers: small enough that a float32 chunk stays near a second,
+# large enough that its products still run near the matmul rate (docs/decisions.md).
+PREFILL_PIECE_TOKENS = 64
 
 Event = Union[Queued, StageStarted, TextChunk, RequestMetrics]
 
@@ -440,15 +443,34 @@ class Engine(StreamingMixin):
             logit_bias=request.logit_bias, top_logprobs=request.top_logprobs,
         )
         step = self._decode_step  # none without a KV cache
-        with trace.stage(PREFILL):
-            if step is not None and vision is None:  # text only from `start`: the step prefills it too
+        if step is not None and vision is None:  # text only from `start`: the step prefills it too
+            with trace.stage(PREFILL):
                 logits, state = prefill_text(model, prompt, all_grids, step,
                                              cache=reused.cache if reused else None, start=start)
-            else:
-                logits, state = prefill(model, prompt, vision, all_grids, config.kv_cache,
-                                        cache=reused.cache if reused else None, start=start)
-                if step is not None:  # its buffers grow: any length fits
-                    attach_step(state, step)
+        else:
+            # Beside running answers the prompt goes in chunks, a piece of them at a time, each piece followed by
+            # their next step; alone it goes in one (chunks cost a lone request time: docs/decisions.md).
+            trace.announce(PREFILL)
+            pieces = prefill_in_pieces(model, prompt, vision, all_grids, config.kv_cache,
+                                       cache=reused.cache if reused else None, start=start,
+                                       chunk=PREFILL_PIECE_TOKENS if self._running else None)
+            started = time.perf_counter()
+            while True:
+                try:
+                    next(pieces)
+                except StopIteration as prefilled:
+                    logits, state = prefilled.value
+                    break
+                if time.perf_counter() - started >= ADMISSION_PIECE_SECONDS:
+                    trace.add(PREFILL, time.perf_counter() - started)
+                    yield
+                    if job.cancelled.is_set():
+                        return None
+                    started = time.perf_counter()
+            if step is not None:  # its buffers grow: any length fits
+                attach_step(state, step)
+            trace.add(PREFILL, time.perf_counter() - started)
+        with trace.stage(PREFILL, announce=False):
             token = sampler(logits)
         stop_ids = set() if request.ignore_eos else set(loaded.eos_token_ids)
         output = SequenceOutput(loaded.tokenizer, request.stop, stop_ids, job.events.put, sampler.logprobs)

@@ -112,24 +112,65 @@ def run_language_model(model, **inputs) -> torch.Tensor:
 
 
 def prefill(model, prompt: PromptTokens, vision, image_grid_thw, use_cache: bool,
-            cache: DynamicCache | None = None, start: int = 0) -> tuple[torch.Tensor, DecodeState]:
+            cache: DynamicCache | None = None, start: int = 0,
+            chunk: int | None = None) -> tuple[torch.Tensor, DecodeState]:
     """The language model over the prompt; returns the logits of the last position and the decode state.
 
     With `cache` holding the prompt's first `start` tokens (a reused conversation prefix), only the rest runs;
     `vision` then covers just the images after `start`. `image_grid_thw` always lists every image of the prompt:
-    the 3D positions depend on all of them."""
+    the 3D positions depend on all of them. `chunk`: see prefill_in_pieces."""
+    pieces = prefill_in_pieces(model, prompt, vision, image_grid_thw, use_cache, cache, start, chunk)
+    while True:
+        try:
+            next(pieces)
+        except StopIteration as done:
+            return done.value
+
+
+def vision_slice(vision, first: int, count: int):
+    """The encoder outputs of vision tokens first .. first + count - 1, counted over all of `vision`'s images in
+    order, as one image's worth: what a prefill chunk holding just those vision tokens takes."""
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
+
+    embeddings = torch.cat(vision.pooler_output)[first:first + count]
+    deepstack = [torch.cat(feature)[first:first + count] for feature in vision.deepstack_features]
+    return BaseModelOutputWithDeepstackFeatures(pooler_output=(embeddings,),
+                                                deepstack_features=[(feature,) for feature in deepstack])
+
+
+def prefill_in_pieces(model, prompt: PromptTokens, vision, image_grid_thw, use_cache: bool,
+                      cache: DynamicCache | None = None, start: int = 0, chunk: int | None = None):
+    """prefill as a generator: with a KV cache, the prompt runs `chunk` tokens at a time (all at once if None), each
+    chunk's vision tokens with their slice of the encoder outputs, and the generator yields between chunks; it
+    returns what prefill returns. A newcomer's prefill beside running answers then pauses them a chunk at a time
+    (docs/decisions.md, "Admission between steps, in pieces"). The chunks are fixed by `chunk` alone, so a prompt
+    is computed the same way whoever else is running."""
     positions, rope_delta = prompt_positions(model, prompt, image_grid_thw)
     if cache is None and use_cache:
         cache = DynamicCache(config=model.config.get_text_config())
-    hidden = run_language_model(
-        model,
-        input_ids=prompt.input_ids[:, start:],
-        position_ids=positions[:, :, start:],
-        cache=cache,
-        use_cache=use_cache,
-        mm_token_type_ids=prompt.mm_token_type_ids[:, start:],
-        mm_encoder_outputs={"image": vision} if vision is not None else None,
-    )
+    total = prompt.input_ids.shape[1]
+    chunk = total - start if chunk is None or not use_cache else chunk
+    image_token = model.config.image_token_id
+    placed = 0  # vision tokens handed to earlier chunks
+    for first in range(start, total, max(chunk, 1)):
+        last = min(first + chunk, total)
+        input_ids = prompt.input_ids[:, first:last]
+        outputs = vision
+        if vision is not None and (first, last) != (start, total):
+            count = int((input_ids == image_token).sum())
+            outputs = vision_slice(vision, placed, count) if count else None
+            placed += count
+        hidden = run_language_model(
+            model,
+            input_ids=input_ids,
+            position_ids=positions[:, :, first:last],
+            cache=cache,
+            use_cache=use_cache,
+            mm_token_type_ids=prompt.mm_token_type_ids[:, first:last],
+            mm_encoder_outputs={"image": outputs} if outputs is not None else None,
+        )
+        if last < total:
+            yield
     state = DecodeState(
         cache=cache,
         rope_delta=rope_delta,

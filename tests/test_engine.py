@@ -6,6 +6,7 @@ import time
 
 import pytest
 import torch
+from PIL import Image
 
 from engine import (Busy, ChatRequest, Engine, EngineConfig, InvalidImage, MetricsStore, ModelUnavailable,
                     PromptTooLong, Queued, RequestMetrics, StageStarted, TextChunk, Turn)
@@ -829,3 +830,62 @@ def test_follow_ups_from_the_prefix_cache_decode_in_a_batch_as_alone(make_engine
     for (text, metrics), reference in zip(together, alone):
         assert text == reference.text and metrics.cached_prompt_tokens > 0
     assert max(max(metrics.decode_batch_sizes) for _, metrics in together) == 2
+
+
+def test_a_prefill_in_chunks_is_the_prefill_in_one_piece(tiny_model, images_dir):
+    """Chunks of a picture's prompt, each with its slice of the vision tokens (two images, so a chunk holds the end
+    of one and the start of the next), give the one-piece prefill's next token and, within float32 rounding, its
+    logits and cache; the generator yields between chunks."""
+    from engine.generate import prefill_in_pieces
+    from engine.preprocess import image_grids
+
+    loaded = load_model(EngineConfig(model=str(tiny_model), compile="off", warmup=False))
+    pictures = [Image.open(images_dir / name).convert("RGB") for name in ("coffee.png", "chelsea.png")]
+    config = EngineConfig()
+    sizes = [fit_to_budget(*picture.size, config.min_pixels, config.max_pixels) for picture in pictures]
+    prompt = tokenize_prompt(loaded.tokenizer, chat_messages([], "Compare them.", [2]), sizes, loaded.image_token_id)
+    with torch.inference_mode():
+        vision = encode_images(loaded.model, patchify_images(loaded.image_processor, pictures, sizes))
+        whole_logits, whole = prefill(loaded.model, prompt, vision, image_grids(sizes), True)
+        pieces = prefill_in_pieces(loaded.model, prompt, vision, image_grids(sizes), True, chunk=16)
+        yields = 0
+        while True:
+            try:
+                next(pieces)
+                yields += 1
+            except StopIteration as done:
+                logits, state = done.value
+                break
+    length = prompt.input_ids.shape[1]
+    assert yields == (length + 15) // 16 - 1 >= 3
+    assert int(logits.argmax()) == int(whole_logits.argmax())
+    torch.testing.assert_close(logits, whole_logits, atol=1e-4, rtol=1e-4)
+    for got, want in zip(state.cache.layers, whole.cache.layers):
+        torch.testing.assert_close(got.keys, want.keys, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(got.values, want.values, atol=1e-4, rtol=1e-4)
+
+
+def test_a_newcomers_prefill_beside_running_answers_goes_in_pieces(make_engine, images_dir, monkeypatch):
+    """Admitted beside a running answer, a picture's prefill runs a chunk at a time, the running answer taking a
+    step after each (so a long prompt never pauses it for the whole prefill), and the newcomer's answer is the one
+    it gets alone."""
+    import engine.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "PREFILL_PIECE_TOKENS", 8)
+    monkeypatch.setattr(engine_module, "ADMISSION_PIECE_SECONDS", 0.0)
+    engine = make_engine(max_batch=4, prefix_cache_entries=0)  # the newcomer's second run prefills its picture again
+    newcomer = ChatRequest(prompt="Describe", images=(images_dir / "coffee.png",), max_new_tokens=6, ignore_eos=True)
+    alone = engine.ask(newcomer)
+    running = engine.submit(ChatRequest(prompt="Write a long story", max_new_tokens=5000, ignore_eos=True))
+    running_events = running.events()
+    first_text(running_events)
+    text, metrics = engine_answer(engine.submit(newcomer))
+    running.cancel()
+    last = [event for event in running_events if isinstance(event, RequestMetrics)][0]
+    assert text == alone.text and metrics.status == "ok"
+    chunks = (metrics.prompt_tokens + 7) // 8
+    # Steps the running answer took alone while the newcomer was admitted: at least one after each chunk but the
+    # last, besides those after preprocessing and the vision encode.
+    sizes = last.decode_batch_sizes
+    alone_steps = sizes.index(2) if 2 in sizes else len(sizes)
+    assert alone_steps >= chunks - 1 + 2
