@@ -65,9 +65,17 @@ log = logging.getLogger(__name__)
 # An admission's vision encode and prefill yield to the running answers once a piece has run this long: their
 # longest pause is about this plus one vision block or one prefill chunk.
 ADMISSION_PIECE_SECONDS = 0.6
-# Prompt tokens a prefill chunk holds beside running answers: small enough that a float32 chunk stays near a second,
-# large enough that its products still run near the matmul rate (docs/decisions.md).
-PREFILL_PIECE_TOKENS = 64
+# Beside running answers a prefill goes in chunks sized to take about this long each, the first of FIRST_PREFILL_CHUNK
+# tokens: a running stream's pause is then a chunk and a decode step (docs/decisions.md).
+PREFILL_PIECE_SECONDS = 0.9
+FIRST_PREFILL_CHUNK = 32
+
+
+def chunk_for(tokens: int, seconds: float, target_s: float) -> int:
+    """The next prefill chunk's tokens, from the last chunk's `tokens` taking `seconds`: about `target_s` at that
+    rate, in multiples of 8, between 8 and 1,024."""
+    rate = tokens / max(seconds, 1e-3)
+    return max(8, min(1024, int(rate * target_s) // 8 * 8))
 
 Event = Union[Queued, StageStarted, TextChunk, RequestMetrics]
 
@@ -245,6 +253,11 @@ class Engine(StreamingMixin):
     def active_sequences(self) -> int:
         """Requests decoding now, together in each step."""
         return self._queue.running
+
+    @property
+    def decode_step(self) -> DirectDecodeStep | None:
+        """The step that advances running sequences a token each (None: transformers' forward, one at a time)."""
+        return self._decode_step
 
     def batch_limit(self) -> int:
         """How many sequences decode together: the setting where the direct decode step runs, else one at a time
@@ -448,25 +461,27 @@ class Engine(StreamingMixin):
                 logits, state = prefill_text(model, prompt, all_grids, step,
                                              cache=reused.cache if reused else None, start=start)
         else:
-            # Beside running answers the prompt goes in chunks, a piece of them at a time, each piece followed by
-            # their next step; alone it goes in one (chunks cost a lone request time: docs/decisions.md).
+            # Beside running answers the prompt goes in chunks, each followed by their next step, each sized from
+            # the last one's rate to take about PREFILL_PIECE_SECONDS; alone it goes in one (chunks cost a lone
+            # request time: docs/decisions.md).
             trace.announce(PREFILL)
+            chunk = [FIRST_PREFILL_CHUNK]
             pieces = prefill_in_pieces(model, prompt, vision, all_grids, config.kv_cache,
                                        cache=reused.cache if reused else None, start=start,
-                                       chunk=PREFILL_PIECE_TOKENS if self._running else None)
-            started = time.perf_counter()
+                                       chunk=(lambda: chunk[0]) if self._running else None)
             while True:
+                started = time.perf_counter()
                 try:
                     next(pieces)
                 except StopIteration as prefilled:
                     logits, state = prefilled.value
                     break
-                if time.perf_counter() - started >= ADMISSION_PIECE_SECONDS:
-                    trace.add(PREFILL, time.perf_counter() - started)
-                    yield
-                    if job.cancelled.is_set():
-                        return None
-                    started = time.perf_counter()
+                took = time.perf_counter() - started
+                trace.add(PREFILL, took)
+                chunk[0] = chunk_for(chunk[0], took, PREFILL_PIECE_SECONDS)
+                yield
+                if job.cancelled.is_set():
+                    return None
             if step is not None:  # its buffers grow: any length fits
                 attach_step(state, step)
             trace.add(PREFILL, time.perf_counter() - started)

@@ -8,6 +8,7 @@ Qwen3-VL's rotary positions have four rows: the plain text position, then the 3D
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from transformers import DynamicCache
@@ -139,21 +140,23 @@ def vision_slice(vision, first: int, count: int):
 
 
 def prefill_in_pieces(model, prompt: PromptTokens, vision, image_grid_thw, use_cache: bool,
-                      cache: DynamicCache | None = None, start: int = 0, chunk: int | None = None):
-    """prefill as a generator: with a KV cache, the prompt runs `chunk` tokens at a time (all at once if None), each
-    chunk's vision tokens with their slice of the encoder outputs, and the generator yields between chunks; it
-    returns what prefill returns. A newcomer's prefill beside running answers then pauses them a chunk at a time
-    (docs/decisions.md, "Admission between steps, in pieces"). The chunks are fixed by `chunk` alone, so a prompt
-    is computed the same way whoever else is running."""
+                      cache: DynamicCache | None = None, start: int = 0, chunk: int | Callable[[], int] | None = None):
+    """prefill as a generator: with a KV cache, the prompt runs `chunk` tokens at a time (all at once if None; a
+    callable is asked before each chunk), each chunk's vision tokens with their slice of the encoder outputs, and the
+    generator yields between chunks; it returns what prefill returns. A newcomer's prefill beside running answers
+    then pauses them a chunk at a time (docs/decisions.md, "Admission between steps, in pieces")."""
     positions, rope_delta = prompt_positions(model, prompt, image_grid_thw)
     if cache is None and use_cache:
         cache = DynamicCache(config=model.config.get_text_config())
     total = prompt.input_ids.shape[1]
-    chunk = total - start if chunk is None or not use_cache else chunk
+    if chunk is None or not use_cache:
+        chunk = total - start
+    chunk_tokens = chunk if callable(chunk) else (lambda: chunk)
     image_token = model.config.image_token_id
     placed = 0  # vision tokens handed to earlier chunks
-    for first in range(start, total, max(chunk, 1)):
-        last = min(first + chunk, total)
+    first = start
+    while first < total:
+        last = min(first + max(1, chunk_tokens()), total)
         input_ids = prompt.input_ids[:, first:last]
         outputs = vision
         if vision is not None and (first, last) != (start, total):
@@ -169,6 +172,7 @@ def prefill_in_pieces(model, prompt: PromptTokens, vision, image_grid_thw, use_c
             mm_token_type_ids=prompt.mm_token_type_ids[:, first:last],
             mm_encoder_outputs={"image": outputs} if outputs is not None else None,
         )
+        first = last
         if last < total:
             yield
     state = DecodeState(

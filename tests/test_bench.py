@@ -267,3 +267,19 @@ def test_a_committed_run_renders_as_html(tmp_path):
     first_case = json.loads(source.read_text())["cases"][0]["case"]["name"]
     assert html.lower().startswith("<!doctype html>") and "plotly" in html and first_case in html
     assert not list((ROOT / "docs").rglob("*.html"))  # none committed: each would carry all of plotly.js
+
+
+def test_steps_compares_a_batched_decode_step_with_one_at_the_same_length(tiny_model, tmp_path):
+    """`python -m bench.steps`: at each cached length, one sequence's step and a batch's step, and the tokens/s the
+    batch gives against one."""
+    out = tmp_path / "steps.json"
+    run = subprocess.run([sys.executable, "-m", "bench.steps", "--model", str(tiny_model), "--dtype", "float32",
+                          "--batch", "3", "--lengths", "20", "40", "--steps", "3", "--rounds", "1", "--out", str(out)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert [(r["length"], r["batch"]) for r in results] == [(20, 3), (40, 3)]
+    for r in results:
+        assert r["one_ms"] > 0 and r["batch_ms"] > 0
+        assert r["gain"] == pytest.approx(3 * r["one_ms"] / r["batch_ms"])
+    assert "| cached tokens |" in out.with_suffix(".md").read_text()

@@ -871,7 +871,8 @@ def test_a_newcomers_prefill_beside_running_answers_goes_in_pieces(make_engine, 
     it gets alone."""
     import engine.engine as engine_module
 
-    monkeypatch.setattr(engine_module, "PREFILL_PIECE_TOKENS", 8)
+    monkeypatch.setattr(engine_module, "FIRST_PREFILL_CHUNK", 8)
+    monkeypatch.setattr(engine_module, "PREFILL_PIECE_SECONDS", 0.0)  # every chunk after the first: the least, 8
     monkeypatch.setattr(engine_module, "ADMISSION_PIECE_SECONDS", 0.0)
     engine = make_engine(max_batch=4, prefix_cache_entries=0)  # the newcomer's second run prefills its picture again
     newcomer = ChatRequest(prompt="Describe", images=(images_dir / "coffee.png",), max_new_tokens=6, ignore_eos=True)
@@ -889,3 +890,11 @@ def test_a_newcomers_prefill_beside_running_answers_goes_in_pieces(make_engine, 
     sizes = last.decode_batch_sizes
     alone_steps = sizes.index(2) if 2 in sizes else len(sizes)
     assert alone_steps >= chunks - 1 + 2
+
+
+def test_prefill_chunks_are_sized_to_take_the_piece_time_at_the_last_chunks_rate():
+    from engine.engine import chunk_for
+
+    assert chunk_for(32, 0.78, 0.9) == 32  # float32 here: 41 tokens a second
+    assert chunk_for(32, 0.22, 0.9) == 128  # int8 here: 145 tokens a second
+    assert chunk_for(32, 10.0, 0.9) == 8 and chunk_for(32, 0.0, 0.9) == 1024  # bounded either way
