@@ -39,6 +39,7 @@ from .inputs import check_memory, check_size, check_text, control_tokens, ocr_pi
 from .memory import back_with_huge_pages
 from .metrics import RequestMetrics, PeakRss, current_rss
 from .output import SequenceOutput
+from .packing import decode_rows
 from .system import memory_read_gb_per_s
 from .model_loading import LoadedModel, ProgressCallback, load_model, may_compile, pack_remaining_linears
 from .prefix_cache import CachedSequence, PrefixCache, image_spans
@@ -313,7 +314,8 @@ class Engine(StreamingMixin):
             step, note = None, "eager decode (no KV cache)"
         if step is None and config.kernels == "packed":
             if may_compile(config, loaded.compute_dtype):  # left plain for the compiler
-                notes = [note for note in pack_remaining_linears(loaded.model, loaded.compute_dtype, progress)
+                rows = decode_rows(config.max_batch, config.kv_cache)
+                notes = [note for note in pack_remaining_linears(loaded.model, loaded.compute_dtype, progress, rows)
                          if note not in loaded.notes]
             if config.kv_cache:
                 step = DirectDecodeStep(loaded.model, decode_step.hidden_dtype(loaded))

@@ -24,7 +24,7 @@ from .decode_step import compiles_when_auto
 from .errors import ModelUnavailable
 from .fusion import stack_projections_
 from .memory import release_freed_memory
-from .packing import keeps_fp16_copy, pack_linears_, packing_unavailable, packing_works
+from .packing import decode_rows, keeps_fp16_copy, pack_linears_, packing_unavailable, packing_works
 from .quantize import (INT8_WITHOUT_VNNI, LINEAR_KINDS, compute_in_float32_, has_int8_dot_product, linear_weight_bytes,
                        quantize_int8_)
 from .system import bfloat16_matmul_is_faster
@@ -250,7 +250,8 @@ def load_model(config: EngineConfig, progress: ProgressCallback | None = None) -
         # A language model that may get a compiled decode step keeps plain Linears: inductor packs its own copy.
         # pack_remaining_linears packs them too if the step is not kept.
         scope = model.model.visual if may_compile(config, compute_dtype) else model
-        notes.extend(pack_remaining_linears(scope, compute_dtype, report))
+        rows = decode_rows(config.max_batch, config.kv_cache)
+        notes.extend(pack_remaining_linears(scope, compute_dtype, report, rows))
     for note in notes:
         log.warning("%s", note)
     release_freed_memory()
@@ -279,10 +280,11 @@ def may_compile(config: EngineConfig, compute_dtype: str) -> bool:
     return config.compile == "on"
 
 
-def pack_remaining_linears(model: nn.Module, compute_dtype: str,
-                           progress: ProgressCallback | None = None) -> list[str]:
-    """oneDNN-packed kernels for every plain Linear left in `model` (the default kernels). Returns why not, where
-    this CPU or build cannot pack them: they then run on PyTorch's stock kernels."""
+def pack_remaining_linears(model: nn.Module, compute_dtype: str, progress: ProgressCallback | None = None,
+                           rows: int = 1) -> list[str]:
+    """oneDNN-packed kernels for every plain Linear left in `model` (the default kernels), decode's laid out for
+    `rows` rows (packing.decode_rows). Returns why not, where this CPU or build cannot pack them: they then run on
+    PyTorch's stock kernels."""
     wide = torch.float32 if compute_dtype == "float32" else torch.bfloat16
     if not packing_works(wide):
         return [packing_unavailable(wide)]
@@ -290,7 +292,7 @@ def pack_remaining_linears(model: nn.Module, compute_dtype: str,
     if progress is not None:
         progress(0.92, "Packing bfloat16 weights for oneDNN (prefill) and as float16 for fbgemm (decode)"
                  if one_row_fp16 else f"Packing {compute_dtype} weights for oneDNN's kernels")
-    pack_linears_(model, wide, one_row_fp16)
+    pack_linears_(model, wide, one_row_fp16, rows)
     release_freed_memory()
     return []
 

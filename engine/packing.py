@@ -28,15 +28,19 @@ class PackedLinear(nn.Module):
     kernels stream; the plain copy is dropped, so memory stays one copy of the weight. Decode reads every weight
     once per token, and the packed layout reads nearly twice as fast as F.linear's (docs/decisions.md)."""
 
-    def __init__(self, linear: nn.Linear, one_row_fp16: bool = False):
-        """one_row_fp16: also keep fbgemm's float16 copy of a bfloat16 weight for one-row products (decode)."""
+    def __init__(self, linear: nn.Linear, one_row_fp16: bool = False, rows: int = 1):
+        """one_row_fp16: also keep fbgemm's float16 copy of a bfloat16 weight for one-row products (decode).
+        rows: the rows of the decode-sized products a float32 weight is laid out for (oneDNN's batch-size hint);
+        a product of fewer rows is padded up to them. A decode step of four answers reads a layout for four at
+        the rate one answer reads a layout for one (docs/decisions.md, "float32 weights laid out for the batch");
+        bfloat16's products measured the same on either layout, so they keep the one-row one."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
         self.dtype = weight.dtype
         self.packed_nbytes = weight.numel() * weight.element_size()  # held outside parameters and buffers
-        # The batch-size hint 1 picks the layout decode reads; prefill-sized products measured as fast with it.
-        self._packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+        self.rows = rows if weight.dtype == torch.float32 else 1
+        self._packed = torch.ops.mkldnn._reorder_linear_weight(weight, self.rows)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
         self._one_row = fp16_packed(weight, linear.bias) if one_row_fp16 and weight.dtype == torch.bfloat16 else None
         self.read_nbytes = self.packed_nbytes  # what one product reads: one of the copies
@@ -56,7 +60,10 @@ class PackedLinear(nn.Module):
             return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
         if rows.dtype != self.dtype:
             rows = rows.to(self.dtype)
-        out = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), self._packed, self.bias, "none", [], "")
+        count = rows.shape[0]
+        if count < self.rows:  # each row's result is the one it gets beside others: the same kernel computes it
+            rows = torch.cat([rows, rows.new_zeros(self.rows - count, self.in_features)])
+        out = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), self._packed, self.bias, "none", [], "")[:count]
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def unpacked(self) -> torch.Tensor:
@@ -136,19 +143,32 @@ def packing_works(dtype: torch.dtype) -> bool:
         return False
 
 
-def pack_linears_(model: nn.Module, dtype: torch.dtype, one_row_fp16: bool = False) -> int:
+# Most rows a float32 decode layout is made for: a lone answer's products are padded up to them, which cost it about
+# 2% of a step at four (docs/decisions.md).
+MAX_DECODE_ROWS = 4
+
+
+def decode_rows(max_batch: int, kv_cache: bool = True) -> int:
+    """The rows decode-sized products are laid out for: the batch decode runs at, up to MAX_DECODE_ROWS (without a
+    KV cache, decode runs one sequence through transformers' forward)."""
+    return max(1, min(max_batch, MAX_DECODE_ROWS)) if kv_cache else 1
+
+
+def pack_linears_(model: nn.Module, dtype: torch.dtype, one_row_fp16: bool = False, rows: int = 1) -> int:
     """Swap every nn.Linear whose weight is in `dtype` for a PackedLinear. Returns how many were swapped.
-    one_row_fp16: the language model's Linears and the LM head also keep a float16 copy for decode (fp16_packed).
+    The language model's Linears and the LM head, which decode runs, are laid out for `rows` rows; with
+    one_row_fp16 they also keep a float16 copy for decode (fp16_packed). The vision tower's keep the one-row layout.
 
     The LM head is tied to the token embeddings: it gets its own packed copy and the embeddings stay as they are
     (only looked up, one row per token)."""
     language_model = getattr(getattr(model, "model", None), "language_model", None)
-    decoding = {id(module) for module in language_model.modules()} if one_row_fp16 and language_model else set()
+    decoding = {id(module) for module in language_model.modules()} if language_model else set()
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and child.weight.dtype == dtype:
-                fp16 = id(parent) in decoding or (one_row_fp16 and parent is model and name == "lm_head")
-                setattr(parent, name, PackedLinear(child, one_row_fp16=fp16))
+                decodes = id(parent) in decoding or (parent is model and name == "lm_head")
+                setattr(parent, name, PackedLinear(child, one_row_fp16=one_row_fp16 and decodes,
+                                                   rows=rows if decodes else 1))
                 swapped += 1
     return swapped

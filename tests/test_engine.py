@@ -393,6 +393,29 @@ def test_packed_linear_matches_f_linear_and_engines_agree(make_engine, images_di
     assert packed_engine.ask(request).text == plain_engine.ask(request).text
 
 
+def test_float32_decode_weights_are_laid_out_for_the_batch(make_engine):
+    """The language model's float32 weights are packed for the batch decode runs at (up to four rows), the vision
+    tower's for one; a product of fewer rows is padded, so each row's result is the one it gets beside others (a
+    lone answer's tokens are its tokens in a batch, to the bit) and F.linear's within rounding."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 96)
+    packed = PackedLinear(linear, rows=4)
+    assert torch.equal(packed.unpacked(), linear.weight.detach())
+    x = torch.randn(6, 64)
+    with torch.inference_mode():
+        four = packed(x[:4])
+        for count in (1, 2, 3):
+            assert torch.equal(packed(x[:count]), four[:count])
+        assert torch.allclose(packed(x), linear(x), atol=1e-4, rtol=1e-4)
+    assert PackedLinear(linear.to(torch.bfloat16), rows=4).rows == 1 if packing_works(torch.bfloat16) else True
+    for settings, rows in ((dict(max_batch=4), 4), (dict(max_batch=8), 4), (dict(max_batch=2), 2),
+                           (dict(max_batch=1), 1), (dict(kv_cache=False), 1)):
+        model = make_engine(**settings).loaded.model
+        assert model.lm_head.rows == rows, settings
+        assert model.model.language_model.layers[0].mlp.down_proj.rows == rows
+        assert {module.rows for module in model.model.visual.modules() if isinstance(module, PackedLinear)} == {1}
+
+
 def _check_fp16_copy() -> None:
     linear = torch.nn.Linear(64, 96).to(torch.bfloat16)
     packed = PackedLinear(linear, one_row_fp16=True)
