@@ -63,8 +63,8 @@ from .trace import (
 
 log = logging.getLogger(__name__)
 
-# An admission's vision encode and prefill yield to the running answers once a piece has run this long: their
-# longest pause is about this plus one vision block or one prefill chunk.
+# An admission's vision encode yields to the running answers once a piece has run this long: their longest pause is
+# about this plus one vision block.
 ADMISSION_PIECE_SECONDS = 0.6
 # Beside running answers a prefill goes in chunks sized to take about this long each, the first of FIRST_PREFILL_CHUNK
 # tokens: a running stream's pause is then a chunk and a decode step (docs/decisions.md).

@@ -113,14 +113,13 @@ def run_language_model(model, **inputs) -> torch.Tensor:
 
 
 def prefill(model, prompt: PromptTokens, vision, image_grid_thw, use_cache: bool,
-            cache: DynamicCache | None = None, start: int = 0,
-            chunk: int | None = None) -> tuple[torch.Tensor, DecodeState]:
+            cache: DynamicCache | None = None, start: int = 0) -> tuple[torch.Tensor, DecodeState]:
     """The language model over the prompt; returns the logits of the last position and the decode state.
 
     With `cache` holding the prompt's first `start` tokens (a reused conversation prefix), only the rest runs;
     `vision` then covers just the images after `start`. `image_grid_thw` always lists every image of the prompt:
-    the 3D positions depend on all of them. `chunk`: see prefill_in_pieces."""
-    pieces = prefill_in_pieces(model, prompt, vision, image_grid_thw, use_cache, cache, start, chunk)
+    the 3D positions depend on all of them."""
+    pieces = prefill_in_pieces(model, prompt, vision, image_grid_thw, use_cache, cache, start)
     while True:
         try:
             next(pieces)

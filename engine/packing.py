@@ -143,8 +143,8 @@ def packing_works(dtype: torch.dtype) -> bool:
         return False
 
 
-# Most rows a float32 decode layout is made for: a lone answer's products are padded up to them, which cost it about
-# 2% of a step at four (docs/decisions.md).
+# Most rows a float32 decode layout is made for: a lone answer's products are padded up to them, which costs it a
+# little more the more rows there are (docs/decisions.md, "float32 weights laid out for the batch").
 MAX_DECODE_ROWS = 4
 
 
