@@ -28,8 +28,8 @@ import httpx
 from PIL import Image
 
 from engine.config import PROJECT_DIR, shared_dir
-from engine.system import system_report
 
+from .cli import machine_line, write_results
 from .harness import default_images_dir
 
 PROMPT = "Describe this image."
@@ -238,17 +238,13 @@ def main(argv: list[str] | None = None) -> int:
             if server is not None:
                 server.terminate()
                 server.wait(60)
-    machine = system_report()
-    text = (f"CPU {machine.cpu_model}, {machine.physical_cores} cores, ISA {', '.join(machine.isa_flags)}; "
+    text = (f"{machine_line()}; "
             + (f"server at {args.url}" if args.url else
                f"vlscope {args.dtype}{f', max batch {args.max_batch}' if args.max_batch else ''}")
             + f"\n\n{markdown(results)}\n")
     print(text)
     if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps([asdict(result) for result in results], indent=1))
-        out.with_suffix(".md").write_text(text)
+        write_results(args.out, [asdict(result) for result in results], text)
     return 0 if all(result.errors == 0 for result in results) else 1
 
 

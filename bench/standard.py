@@ -18,8 +18,9 @@ import tempfile
 from pathlib import Path
 
 from engine.config import PROJECT_DIR, shared_dir
-from engine.system import AVX2_DISPATCH, system_report
+from engine.system import AVX2_DISPATCH
 
+from .cli import machine_line
 from .harness import bench_image, default_images_dir
 
 PROMPT = "Describe this image."
@@ -90,9 +91,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(row | {"round": round_ + 1})
                 print(json.dumps(row), file=sys.stderr, flush=True)
     rows.sort(key=lambda row: (args.dtypes.index(row["dtype"]), args.isa.index(row["isa"]), row["round"]))
-    machine = system_report()
-    text = (f"CPU {machine.cpu_model}, {machine.physical_cores} cores, ISA {', '.join(machine.isa_flags)}; "
-            f"{args.max_new_tokens} tokens, one process per request\n\n{table(rows)}\n")
+    text = (f"{machine_line()}; {args.max_new_tokens} tokens, one process per request\n\n{table(rows)}\n")
     if args.drift:
         lines = ["", f"Drift: {args.drift_size}x{args.drift_size} photo, {args.drift_tokens} answer tokens, teacher-forced "
                  "on float32's answer, over the prompt's text and the answer", "",

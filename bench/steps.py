@@ -9,12 +9,10 @@ noise (attention costs the same whatever their values).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 from transformers import DynamicCache
@@ -23,8 +21,7 @@ from engine import compute
 from engine.config import DTYPES, EngineConfig
 from engine.engine import Engine
 from engine.generate import next_positions
-from engine.system import system_report
-
+from .cli import machine_line, write_results
 from .harness import default_model
 
 
@@ -109,15 +106,10 @@ def main(argv: list[str] | None = None) -> int:
         results = measure(engine, args.lengths, args.batch, args.steps, args.rounds)
     finally:
         engine.close()
-    machine = system_report()
-    text = (f"CPU {machine.cpu_model}, {machine.physical_cores} cores, ISA {', '.join(machine.isa_flags)}; "
-            f"vlscope {args.dtype}, {engine.info.decode}\n\n{markdown(results)}\n")
+    text = f"{machine_line()}; vlscope {args.dtype}, {engine.info.decode}\n\n{markdown(results)}\n"
     print(text)
     if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps([asdict(r) | {"gain": r.gain} for r in results], indent=1))
-        out.with_suffix(".md").write_text(text)
+        write_results(args.out, [asdict(r) | {"gain": r.gain} for r in results], text)
     return 0
 
 
