@@ -1,12 +1,14 @@
 """Attention for one decode step, where PyTorch's fused kernel costs more than the arithmetic.
 
 A decode step attends one query per head over the cached keys: a few hundred thousand multiply-adds per layer, for
-which scaled_dot_product_attention's CPU flash kernel pays more in setup than in arithmetic. Two small matmuls and
-a softmax do the same in a fraction of its time (docs/decisions.md, "Single-query attention"). Prefill and the vision tower keep the fused kernel, and so does everything transformers
-decides about masks: only the function behind the "sdpa" name changes, and only for single-query calls.
+which scaled_dot_product_attention's CPU flash kernel pays more in setup than in arithmetic. Prefill and the vision
+tower keep the fused kernel, and so does everything transformers decides about masks: only the function behind the
+"sdpa" name changes, and only for single-query calls, which go to the decode attention of
+engine/decode_attention.py (its C kernel, or the two small matmuls and softmax of single_query here), the same as
+the direct step's (docs/decisions.md, "Single-query attention", "Decode attention kernel").
 
-The products are done in float32 even for a bfloat16 cache: at these shapes (two query rows per key head) the
-bfloat16 batched matmul is the slow path.
+The arithmetic is float32 even for a bfloat16 cache: at these shapes (two query rows per key head) the bfloat16
+batched matmul is the slow path.
 """
 from __future__ import annotations
 
@@ -30,14 +32,17 @@ def single_query_attention(query, key, value, attention_mask=None, scaling=None,
     returns it. Query heads h * groups .. h * groups + groups - 1 share key/value head h (grouped-query)."""
     batch, heads, _, dim = query.shape
     dtype = value.dtype
-    query, key, value = query.float(), key.float(), value.float()  # no copies for a float32 cache
+    query = query.float()
     scaling = scaling if scaling is not None else dim ** -0.5
     kv_heads, length = heads // groups, key.shape[-2]
     grouped = query.reshape(batch * kv_heads, groups, dim)
     key, value = key.reshape(batch * kv_heads, length, dim), value.reshape(batch * kv_heads, length, dim)
     if attention_mask is None:
-        out = single_query(grouped, key, value, scaling)
+        from .decode_attention import best  # the direct step's attention too: the two agree to the bit
+
+        out = best()[0].cached(grouped, key, value, scaling)
     else:  # rare: a padded batch through transformers' forward
+        key, value = key.float(), value.float()
         scores = torch.bmm(key, grouped.transpose(1, 2)).mul_(scaling).transpose(1, 2).reshape(
             batch, kv_heads, groups, length)
         mask = attention_mask[..., -1:, :] if attention_mask.dim() == 4 else attention_mask

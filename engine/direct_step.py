@@ -2,9 +2,9 @@
 
 transformers' forward is built for every case (any batch, masks, cache kinds, output capture); for one token it
 runs thousands of small operations around the 197 products that read the weights. Here a token is the products plus
-about 30 operations a layer, on keys and values kept in float32 buffers of this step's own (no mask, no cache
-object, no copy of the whole cache a step: transformers' DynamicCache concatenates, and a bfloat16 cache is
-widened for single_query_attention's float32 products at every step).
+about 30 operations a layer, on keys and values kept in buffers of this step's own, in the dtype transformers'
+cache keeps (no mask, no cache object, no copy of the whole cache a step: transformers' DynamicCache
+concatenates). Attention for all the step's sequences is one call (engine/decode_attention.py).
 
 A token is cut at its attentions into 29 segments (the head, then from each attention to the next: o_proj, MLP,
 the next layer's norms, projections and rotary). `compile()` hands each segment to inductor with the weights frozen
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from .attention import single_query
+from .decode_attention import best as best_attention
 from .fusion import stacked_products
 from .generate import append_decoded
 
@@ -42,7 +42,7 @@ PREFILL_CHUNK = 256
 
 
 class SequenceKV:
-    """One sequence's keys and values in the step's float32 buffers: per layer (kv heads, capacity, head dim), and
+    """One sequence's keys and values in the step's buffers: per layer (kv heads, capacity, head dim), and
     how many positions are filled. Each sequence of a batch has its own, so each attends over its own length."""
 
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], length: int):
@@ -55,15 +55,19 @@ class SequenceKV:
 
 class DirectDecodeStep:
     def __init__(self, model, hidden_dtype: torch.dtype | None = None, growth: int = GROWTH,
-                 chunk: int = PREFILL_CHUNK):
-        """hidden_dtype: what the hidden state is kept in between operations; the model's own dtype if None."""
+                 chunk: int = PREFILL_CHUNK, attention=None):
+        """hidden_dtype: what the hidden state is kept in between operations; the model's own dtype if None.
+        attention: what a step attends with (engine/decode_attention.py); this process's best if None."""
         self.hidden_dtype, self.growth, self.chunk = hidden_dtype, growth, chunk
+        self.attention = attention if attention is not None else best_attention()[0]
         language_model = model.model.language_model
         config = language_model.config
         self.layers = list(language_model.layers)
         self.embed_tokens, self.final_norm, self.lm_head = language_model.embed_tokens, language_model.norm, model.lm_head
         # What transformers' layers compute in, so keep in a cache: the dtype embeddings come out in.
         self.cache_dtype = self.embed_tokens(torch.zeros(1, dtype=torch.long)).dtype
+        # The step's buffers keep what transformers' cache keeps: bfloat16 halves what every step reads of them.
+        self.kv_dtype = torch.bfloat16 if self.cache_dtype == torch.bfloat16 else torch.float32
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.scaling = self.head_dim ** -0.5
@@ -86,7 +90,7 @@ class DirectDecodeStep:
         keys, values = [], []
         for index in range(len(self.layers)):
             for kept, source in ((keys, "keys"), (values, "values")):
-                buffer = torch.empty((self.kv_heads, capacity, self.head_dim), dtype=torch.float32)
+                buffer = torch.empty((self.kv_heads, capacity, self.head_dim), dtype=self.kv_dtype)
                 if length:
                     buffer[:, :length].copy_(getattr(cache.layers[index], source)[0])
                 kept.append(buffer)
@@ -101,7 +105,7 @@ class DirectDecodeStep:
     def kv_bytes(self, positions: int) -> int:
         """Bytes of a sequence's buffers holding `positions` (rounded up to the growth step)."""
         capacity = (positions + self.growth - 1) // self.growth * self.growth
-        return 2 * len(self.layers) * self.kv_heads * capacity * self.head_dim * 4
+        return 2 * len(self.layers) * self.kv_heads * capacity * self.head_dim * self.kv_dtype.itemsize
 
     def release(self) -> None:
         """Drop the model's modules; a compiled step also frees its compiled code, which holds a frozen copy of the
@@ -233,9 +237,9 @@ class DirectDecodeStep:
             values[:, start:end].copy_(value.transpose(0, 1))
             grouped = query.view(rows, self.kv_heads, groups, self.head_dim).permute(1, 2, 0, 3).reshape(
                 self.kv_heads, groups * rows, self.head_dim)
-            scores = torch.bmm(grouped, keys[:, :end].transpose(1, 2)).mul_(self.scaling).masked_fill_(
+            scores = torch.bmm(grouped, keys[:, :end].float().transpose(1, 2)).mul_(self.scaling).masked_fill_(
                 hidden_from, float("-inf"))
-            attended = torch.bmm(torch.softmax(scores, dim=-1), values[:, :end])  # (kv heads, groups * rows, dim)
+            attended = torch.bmm(torch.softmax(scores, dim=-1), values[:, :end].float())  # (kv heads, groups * rows, dim)
             attended = attended.view(self.kv_heads, groups, rows, self.head_dim).permute(2, 0, 1, 3).reshape(rows, -1)
         kv.length = end
         if not want_logits:
@@ -251,7 +255,7 @@ class DirectDecodeStep:
         """One token for each of B sequences: tokens (B,) at rotary positions (4, 1, B) -> next logits (B, vocab).
 
         The products read each weight once for all B rows, which is why a step for four costs little more than a
-        step for one; attention runs per sequence over its own length. Compiled segments were traced for one row:
+        step for one; attention runs per sequence over its own length, all of them in one call. Compiled segments were traced for one row:
         a batch of more runs the same segments eager."""
         rows = len(kvs)
         for kv in kvs:
@@ -265,17 +269,11 @@ class DirectDecodeStep:
         else:
             segments = [self._segment] * len(self.segments)
             cos, signed_sin = cos[:, None], signed_sin[:, None]
-        groups, attended = self.heads // self.kv_heads, None
+        attend = self.attention.step(kvs, self.kv_heads, self.heads // self.kv_heads, self.head_dim, self.scaling)
+        attended = None
         for index, segment in enumerate(segments[:-1]):
             hidden, query, key, value = segment(index, hidden, attended, cos, signed_sin)
-            outputs = []
-            for row, kv in enumerate(kvs):
-                keys, values, position = kv.keys[index], kv.values[index], kv.length
-                keys[:, position].copy_(key[row])
-                values[:, position].copy_(value[row])
-                outputs.append(single_query(query[row].view(self.kv_heads, groups, self.head_dim),
-                                            keys[:, :position + 1], values[:, :position + 1], self.scaling))
-            attended = outputs[0] if rows == 1 else torch.stack(outputs)
+            attended = attend(index, query, key, value)
         for kv in kvs:
             kv.length += 1
         return segments[-1](len(self.layers), hidden, attended, cos, signed_sin)

@@ -30,6 +30,7 @@ from .errors import (
     PromptTooLong,
     VlscopeError,
 )
+from .decode_attention import best as best_attention
 from .direct_step import DirectDecodeStep
 from .generate import (DecodeState, Sampler, attach_step, decode_batch, decode_one_token, detach_step,
                        encode_images_in_pieces, prefill_in_pieces, prefill_text)
@@ -320,6 +321,8 @@ class Engine(StreamingMixin):
             if config.kv_cache:
                 step = DirectDecodeStep(loaded.model, decode_step.hidden_dtype(loaded))
                 note = f"direct decode step; {note}"
+        if config.kv_cache:
+            note = f"{note}; {best_attention()[1]}"
         log.info("decode: %s", note)
         return step, note, tuple(notes)
 

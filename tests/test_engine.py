@@ -10,6 +10,7 @@ from PIL import Image
 
 from engine import (Busy, ChatRequest, Engine, EngineConfig, InvalidImage, MetricsStore, ModelUnavailable,
                     PromptTooLong, Queued, RequestMetrics, StageStarted, TextChunk, Turn)
+from engine.decode_attention import best as best_attention
 from engine.generate import Sampler, decode_one_token, encode_images, prefill
 from engine.images import fit_to_budget, load_image
 from engine.metrics import PeakRss
@@ -670,7 +671,7 @@ def test_compiled_decode_step_gives_the_eager_tokens(make_engine, images_dir):
         assert counters["stats"]["unique_graphs"] - graphs == (layers + 1 if mode == "on" else 0)
         engine.close()
     assert answers["on"][2].startswith("compiled decode step"), answers["on"][2]
-    assert answers["off"][2] == "direct decode step; eager decode (compilation off)"
+    assert answers["off"][2] == f"direct decode step; eager decode (compilation off); {best_attention()[1]}"
     assert answers["on"][:2] == answers["off"][:2]
 
 
