@@ -2,13 +2,14 @@
 
 Each sequence of a decode step attends its own keys and values, which are read whole at every step. PyTorch's
 batched matmuls (engine/attention.py, single_query) read them at about half the rate memory allows at these shapes,
-and four answers at once spend a third of their step there. decode_attention.c writes each new key and value and
+and four answers at once spent a third of their step there. decode_attention.c writes each new key and value and
 attends in one pass over each sequence's buffers, for all sequences and heads in one OpenMP loop (docs/decisions.md,
 "Decode attention kernel").
 
 The kernel is compiled once per machine with the system's C compiler ($CC, cc or gcc) into the user's cache
-folder, for this CPU, or for AVX2 under VLSCOPE_MAX_CPU_ISA=avx2. Its result is checked against the matmuls before it is used. Without a
-compiler, or where the check fails, decode attends through the matmuls and the decode note says why.
+folder, for this CPU, or for AVX2 under VLSCOPE_MAX_CPU_ISA=avx2. Its result is checked against the matmuls before
+it is used. Without a compiler, or where the check fails, decode attends through the matmuls and the decode note
+says why.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from pathlib import Path
 import torch
 
 from .attention import single_query
-from .system import held_to_avx2
+from .system import cpu_flags, held_to_avx2
 
 log = logging.getLogger(__name__)
 
@@ -33,15 +34,18 @@ SOURCE = Path(__file__).with_suffix(".c")
 
 
 def cache_folder() -> Path:
-    """Where built kernels are kept: the user's cache folder, else (not writable) the temporary folder."""
-    folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vlscope" / "kernels"
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        if os.access(folder, os.W_OK):
-            return folder
-    except OSError:
-        pass
-    return Path(tempfile.gettempdir()) / f"vlscope-kernels-{os.getuid()}"
+    """Where built kernels are kept: the user's cache folder, else (not writable) a folder of this user's own in the
+    temporary folder. Only a folder this user owns and nobody else can write to: a library found there is loaded."""
+    for folder in (Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vlscope" / "kernels",
+                   Path(tempfile.gettempdir()) / f"vlscope-kernels-{os.getuid()}"):
+        try:
+            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+            status = folder.stat()
+            if status.st_uid == os.getuid() and not status.st_mode & 0o022 and os.access(folder, os.W_OK):
+                return folder
+        except OSError:
+            continue
+    raise RuntimeError("no cache folder of this user's own to build the kernel in")
 
 
 def _isa_flags() -> list[str]:
@@ -52,11 +56,12 @@ def _build(compiler: str, folder: Path) -> Path:
     """The shared library for this source, compiler and instruction set, built unless already there."""
     flags = ["-O3", "-ffast-math", "-fopenmp", "-fPIC", *_isa_flags()]
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), version, *flags]).encode()).hexdigest()[:16]
+    # The CPU's flags too: a home folder shared by machines of other kinds must not hand one another's build over.
+    parts = [SOURCE.read_text(), version, *flags, *sorted(cpu_flags())]
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     library = folder / f"decode_attention-{key}.so"
     if library.exists():
         return library
-    folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder) as work:
         objects, built = Path(work) / "kernel.o", Path(work) / "kernel.so"
         # Linked without -ffast-math: GCC would add crtfastmath, which flushes denormals for the whole process.

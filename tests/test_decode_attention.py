@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.decode_attention import KernelAttention, MatmulAttention, best, choose
+from engine.decode_attention import KernelAttention, MatmulAttention, best, cache_folder, choose
 from engine.direct_step import SequenceKV
 
 pytestmark = pytest.mark.kernels
@@ -106,3 +106,16 @@ def test_without_a_working_compiler_decode_attends_on_the_matmuls(tmp_path):
         out = attention.step(kvs, 2, 2, 32, 32 ** -0.5)(0, torch.randn(1, 4, 32), torch.randn(1, 2, 32),
                                                         torch.randn(1, 2, 32))
     assert out.shape == (2, 2, 32) and torch.isfinite(out).all()
+
+
+def test_kernels_are_only_kept_where_nobody_else_can_write(tmp_path, monkeypatch):
+    """A library found in the cache folder is loaded: a folder others can write to is never used for it."""
+    shared = tmp_path / "shared-cache"
+    (shared / "vlscope" / "kernels").mkdir(parents=True)
+    (shared / "vlscope" / "kernels").chmod(0o777)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(shared))
+    folder = cache_folder()
+    assert folder != shared / "vlscope" / "kernels"
+    assert folder.stat().st_mode & 0o777 == 0o700
+    (shared / "vlscope" / "kernels").chmod(0o700)
+    assert cache_folder() == shared / "vlscope" / "kernels"
