@@ -86,6 +86,8 @@ def _load(library: Path):
 class KernelAttention:
     """The C kernel: `step(kvs)` prepares a decode step's tables, then one call per layer."""
 
+    reads_bfloat16 = True  # widens bfloat16 buffers as it reads them
+
     def __init__(self, function):
         self._function = function
 
@@ -139,6 +141,8 @@ class KernelAttention:
 
 class MatmulAttention:
     """PyTorch's batched matmuls, a sequence at a time (engine/attention.py)."""
+
+    reads_bfloat16 = False  # would widen a bfloat16 cache whole at every step: float32 buffers suit it
 
     def step(self, kvs, kv_heads: int, groups: int, dim: int, scaling: float):
         def attend(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:

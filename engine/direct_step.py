@@ -66,8 +66,10 @@ class DirectDecodeStep:
         self.embed_tokens, self.final_norm, self.lm_head = language_model.embed_tokens, language_model.norm, model.lm_head
         # What transformers' layers compute in, so keep in a cache: the dtype embeddings come out in.
         self.cache_dtype = self.embed_tokens(torch.zeros(1, dtype=torch.long)).dtype
-        # The step's buffers keep what transformers' cache keeps: bfloat16 halves what every step reads of them.
-        self.kv_dtype = torch.bfloat16 if self.cache_dtype == torch.bfloat16 else torch.float32
+        # The step's buffers keep what transformers' cache keeps where the attention reads bfloat16: it halves what
+        # every step reads of them.
+        keeps_bfloat16 = self.cache_dtype == torch.bfloat16 and self.attention.reads_bfloat16
+        self.kv_dtype = torch.bfloat16 if keeps_bfloat16 else torch.float32
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.scaling = self.head_dim ** -0.5

@@ -9,6 +9,7 @@ from transformers import DynamicCache
 
 from engine.config import EngineConfig
 from engine.decode_step import hidden_dtype
+from engine.decode_attention import MatmulAttention, best as best_attention
 from engine.direct_step import DirectDecodeStep
 from engine.generate import (attach_step, decode_batch, decode_one_token, detach_step, encode_images, prefill,
                              prefill_text)
@@ -264,3 +265,27 @@ def test_the_vision_encode_in_pieces_is_the_vision_towers_to_the_bit(tiny_model,
         assert torch.equal(mine, theirs)
     for mine, theirs in zip(got.deepstack_features, expected.deepstack_features):
         assert all(torch.equal(a, b) for a, b in zip(mine, theirs))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_step_decodes_alike_on_the_kernel_and_on_the_matmuls(tiny_model, images_dir, dtype):
+    """Where the kernel cannot be built, decode attends on PyTorch's matmuls: the same greedy tokens, with
+    float32 buffers (the matmuls would widen a bfloat16 cache whole at every step), and the kernel keeps the
+    model's bfloat16 cache dtype in its own."""
+    loaded = load_model(EngineConfig(model=str(tiny_model), dtype=dtype, compute_dtype=dtype, compile="off",
+                                     warmup=False))
+    picture = Image.open(images_dir / "coffee.png").convert("RGB")
+    results = {}
+    for attention in (best_attention()[0], MatmulAttention()):
+        step = DirectDecodeStep(loaded.model, None, growth=8, attention=attention)
+        assert step.kv_dtype == (getattr(torch, dtype) if attention.reads_bfloat16 else torch.float32)
+        with torch.inference_mode():
+            token, state = _prefilled(loaded, picture)
+            attach_step(state, step)
+            tokens, logits = _decode(loaded, state, token)
+            detach_step(state)
+        results[attention.reads_bfloat16] = tokens, logits
+    (kernel_tokens, kernel_logits), (matmul_tokens, matmul_logits) = results[True], results[False]
+    assert kernel_tokens == matmul_tokens
+    for got, want in zip(kernel_logits, matmul_logits):
+        torch.testing.assert_close(got, want, atol=1e-4 if dtype == "float32" else 0.1, rtol=0.0)
