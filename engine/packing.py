@@ -148,10 +148,19 @@ def packing_works(dtype: torch.dtype) -> bool:
 MAX_DECODE_ROWS = 4
 
 
+def wide_layout_pays(flags: frozenset[str] | None = None) -> bool:
+    """Whether a float32 layout for several rows costs a lone answer little: with oneDNN's AVX-512 kernels a row
+    padded to four takes a few percent more than on the one-row layout; with its AVX2 kernels about 1.6x."""
+    from .system import cpu_flags
+
+    return "avx512f" in (flags if flags is not None else cpu_flags())
+
+
 def decode_rows(max_batch: int, kv_cache: bool = True) -> int:
-    """The rows decode-sized products are laid out for: the batch decode runs at, up to MAX_DECODE_ROWS (without a
-    KV cache, decode runs one sequence through transformers' forward)."""
-    return max(1, min(max_batch, MAX_DECODE_ROWS)) if kv_cache else 1
+    """The rows decode-sized products are laid out for: the batch decode runs at, up to MAX_DECODE_ROWS, where that
+    layout costs a lone answer little (wide_layout_pays); else one (without a KV cache, decode runs one sequence
+    through transformers' forward)."""
+    return max(1, min(max_batch, MAX_DECODE_ROWS)) if kv_cache and wide_layout_pays() else 1
 
 
 def pack_linears_(model: nn.Module, dtype: torch.dtype, one_row_fp16: bool = False, rows: int = 1) -> int:

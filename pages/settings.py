@@ -44,8 +44,9 @@ with st.form("settings_form"):
                                  help="Off: only metrics are kept.")
     max_batch = left.number_input("Answers at once (batch limit)", 1, 32, current.max_batch, key="set_max_batch",
                                   help="Requests that decode together, one token each per step; more wait in the "
-                                       "queue. A step for four costs little more than a step for one. float32 "
-                                       "weights are laid out for up to four answers; 1 suits one person alone.")
+                                       "queue. A step for four costs little more than a step for one. With "
+                                       "AVX-512, float32 weights are laid out for up to four answers; 1 suits "
+                                       "one person alone.")
     submitted = st.form_submit_button("Apply and reload", type="primary", key="apply_settings")
 
 if submitted:
