@@ -241,7 +241,8 @@ class DirectDecodeStep:
                 self.kv_heads, groups * rows, self.head_dim)
             scores = torch.bmm(grouped, keys[:, :end].float().transpose(1, 2)).mul_(self.scaling).masked_fill_(
                 hidden_from, float("-inf"))
-            attended = torch.bmm(torch.softmax(scores, dim=-1), values[:, :end].float())  # (kv heads, groups * rows, dim)
+            # (kv heads, groups * rows, dim)
+            attended = torch.bmm(torch.softmax(scores, dim=-1), values[:, :end].float())
             attended = attended.view(self.kv_heads, groups, rows, self.head_dim).permute(2, 0, 1, 3).reshape(rows, -1)
         kv.length = end
         if not want_logits:
@@ -257,8 +258,8 @@ class DirectDecodeStep:
         """One token for each of B sequences: tokens (B,) at rotary positions (4, 1, B) -> next logits (B, vocab).
 
         The products read each weight once for all B rows, which is why a step for four costs little more than a
-        step for one; attention runs per sequence over its own length, all of them in one call. Compiled segments were traced for one row:
-        a batch of more runs the same segments eager."""
+        step for one; attention runs per sequence over its own length, all of them in one call. Compiled segments
+        were traced for one row: a batch of more runs the same segments eager."""
         rows = len(kvs)
         for kv in kvs:
             self._make_room(kv, kv.length + 1)
