@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .system import cpu_flags
+
 
 class quantized_engine:
     def __init__(self, name: str):
@@ -112,8 +114,6 @@ def keeps_fp16_copy(compute_dtype: str) -> bool:
 
 def packing_unavailable(dtype: torch.dtype) -> str:
     """One line for the sidebar and the log: why `dtype` weights run on PyTorch's stock kernels here."""
-    from .system import cpu_flags
-
     name = str(dtype).removeprefix("torch.")
     if not torch.backends.mkldnn.is_available():
         return f"{name}: this PyTorch build has no oneDNN, so Linear layers run on PyTorch's stock kernels"
@@ -151,8 +151,6 @@ MAX_DECODE_ROWS = 4
 def wide_layout_pays(flags: frozenset[str] | None = None) -> bool:
     """Whether a float32 layout for several rows costs a lone answer little: with oneDNN's AVX-512 kernels a row
     padded to four takes a few percent more than on the one-row layout; with its AVX2 kernels about 1.6x."""
-    from .system import cpu_flags
-
     return "avx512f" in (flags if flags is not None else cpu_flags())
 
 
