@@ -35,7 +35,7 @@ def test_soak_short(tiny_model, tmp_path):
     # every client that left (mid-stream or by timing out) had its generation stopped
     left = sum(n for key, n in result["outcomes"].items() if key in ("cancel:cancelled-by-client",
                                                                      "disconnect:disconnected"))
-    assert result["records_by_status"].get("cancelled", 0) == left
+    assert result["records_by_status"].get("cancelled", 0) == left, result
     assert result["rss_growth"] < 0.05
 
 
