@@ -37,7 +37,7 @@ from .generate import (DecodeState, Sampler, attach_step, decode_batch, decode_o
 from .documents import expand_documents
 from .images import load_request_images
 from .inputs import check_memory, check_size, check_text, control_tokens, ocr_pictures, prepare_input
-from .memory import back_with_huge_pages
+from .memory import back_with_huge_pages, huge_pages_pay
 from .metrics import RequestMetrics, PeakRss, current_rss
 from .output import SequenceOutput
 from .packing import decode_rows
@@ -205,8 +205,9 @@ class Engine(StreamingMixin):
         started = time.perf_counter()
         self.loaded: LoadedModel = compute.run(load_model, self.config, progress=report)
         self._decode_step, decode_note, step_notes = compute.run(self._prepare_decode_step, progress=report)
-        report(0.965, "Moving the weights onto huge pages")
-        log.info("weights: %.2f GB of the process on huge pages", back_with_huge_pages() / 1e9)
+        if huge_pages_pay(self.loaded.weight_bytes):
+            report(0.965, "Moving the weights onto huge pages")
+            log.info("weights: %.2f GB of the process on huge pages", back_with_huge_pages() / 1e9)
         # Beside the engine's own OpenMP team, as decode reads: another thread's figure mixes in a second team.
         read_ceiling = compute.run(memory_read_gb_per_s)
         text_config = self.loaded.model.config.get_text_config()

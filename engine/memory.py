@@ -42,6 +42,9 @@ def release_freed_memory() -> None:
 
 MADV_COLLAPSE = 25  # Linux 6.1+: back a range with huge pages now (khugepaged would take minutes, if ever)
 HUGE_PAGE = 2 << 20
+# Weights below this are moved onto huge pages for nothing: the move costs seconds over the whole process's memory
+# whatever the model's size, and a token that reads a few megabytes of weights gains too little to see.
+HUGE_PAGES_FROM_WEIGHT_BYTES = 256 << 20
 
 
 def proc_bytes(path: str, field: str) -> int | None:
@@ -60,6 +63,10 @@ def proc_bytes(path: str, field: str) -> int | None:
 def huge_page_bytes() -> int:
     """This process's anonymous memory backed by huge pages (0 where the kernel does not say)."""
     return proc_bytes("/proc/self/smaps_rollup", "AnonHugePages") or 0
+
+
+def huge_pages_pay(weight_bytes: int) -> bool:
+    return weight_bytes >= HUGE_PAGES_FROM_WEIGHT_BYTES
 
 
 def back_with_huge_pages(min_bytes: int = 4 * HUGE_PAGE) -> int:
