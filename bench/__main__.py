@@ -12,7 +12,6 @@ from engine.config import EngineConfig
 from engine.errors import VlscopeError
 
 from .cli import fail, progress_printer
-from .harness import default_images_dir, default_model, run_bench
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,6 +28,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="also send each precision's request to this OpenAI-compatible server (llama.cpp's "
                              "llama-server, vLLM, Ollama, another vlscope), interleaved, and report the ratios")
     args = parser.parse_args(argv)
+    from .harness import default_images_dir, default_model, run_bench  # torch and the engine: after --help
 
     images = Path(args.images) if args.images else default_images_dir()
     out = Path(args.out) if args.out else Path("bench-results") / dt.datetime.now().strftime("%Y%m%d-%H%M%S")

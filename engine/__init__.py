@@ -1,6 +1,5 @@
 """vlscope's engine: Qwen3-VL on the CPU, concurrent requests decoded together, every stage measured. No Streamlit in here."""
 from .config import DEFAULT_MODEL, DTYPES, SKELETON_DIR, EngineConfig
-from .engine import Answer, Engine, EngineInfo, RequestHandle
 from .errors import (
                      Busy,
                      GenerationFailed,
@@ -13,9 +12,21 @@ from .errors import (
 )
 from .metrics import RequestMetrics
 from .request import ChatRequest, Queued, StageStarted, TextChunk, Turn
-from .serving import ServingEngine
 from .store import MetricsStore, stage_percentiles, to_csv
 from .trace import STAGES, STATUSES
+
+# The engine itself imports torch and transformers (seconds): loaded on first use, so that the command line's help,
+# its input errors and the measuring tools' light paths start at once.
+_LAZY = {"Answer": "engine", "Engine": "engine", "EngineInfo": "engine", "RequestHandle": "engine",
+         "ServingEngine": "serving"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        from importlib import import_module
+
+        return getattr(import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "Answer", "Busy", "ChatRequest", "DEFAULT_MODEL", "DTYPES", "Engine", "EngineConfig", "EngineInfo",
