@@ -89,7 +89,7 @@ def _answers_shown(page, count: int, timeout_s: float) -> bool:
     browser that left then would stop the answer still running."""
     deadline = time.time() + timeout_s
     while time.time() < deadline:
-        idle = (page.get_by_test_id("stStatusWidgetRunningIcon").count() == 0
+        idle = (page.locator('[data-testid^="stStatusWidgetRunning"]').count() == 0  # its icon or running man
                 and page.locator('[data-stale="true"]').count() == 0)
         if idle and page.get_by_text("TTFT").count() == count:
             return True
