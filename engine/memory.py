@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import sys
+import time
 
 import psutil
 
@@ -45,6 +46,11 @@ HUGE_PAGE = 2 << 20
 # Weights below this are moved onto huge pages for nothing: the move costs seconds over the whole process's memory
 # whatever the model's size, and a token that reads a few megabytes of weights gains too little to see.
 HUGE_PAGES_FROM_WEIGHT_BYTES = 256 << 20
+# Where the kernel must compact memory to find free huge pages, the move takes far longer than the 2.5 s per GB it
+# takes elsewhere (25-28 s for the int8 model on a shared VM, for no decode gain measurable there): load stops it
+# after this long. Regions go largest first, in pieces, so the weights move first.
+HUGE_PAGES_BUDGET_S = 8.0
+COLLAPSE_PIECE = 64 << 20
 
 
 def proc_bytes(path: str, field: str) -> int | None:
@@ -69,7 +75,7 @@ def huge_pages_pay(weight_bytes: int) -> bool:
     return weight_bytes >= HUGE_PAGES_FROM_WEIGHT_BYTES
 
 
-def back_with_huge_pages(min_bytes: int = 4 * HUGE_PAGE) -> int:
+def back_with_huge_pages(min_bytes: int = 4 * HUGE_PAGE, budget_s: float = HUGE_PAGES_BUDGET_S) -> int:
     """Move the process's large anonymous regions (the weights, once loaded) onto 2 MB pages; returns the bytes
     now backed by huge pages.
 
@@ -77,7 +83,8 @@ def back_with_huge_pages(min_bytes: int = 4 * HUGE_PAGE) -> int:
     (docs/decisions.md, "Huge pages after load"). Distributions enable transparent huge pages only where a
     program asks ("madvise"), and PyTorch asks only with THP_MEM_ALLOC_ENABLE=1 and only for its own allocations
     (fbgemm's int8 weights are not), so this asks the kernel for each region. Costs about 2.5 s per GB, once, at
-    load. Where the kernel cannot (not Linux, older than 6.1, huge pages disabled) nothing changes."""
+    load, and stops after `budget_s`. Where the kernel cannot (not Linux, older than 6.1, huge pages disabled)
+    nothing changes."""
     if not sys.platform.startswith("linux"):
         return 0
     try:
@@ -87,6 +94,7 @@ def back_with_huge_pages(min_bytes: int = 4 * HUGE_PAGE) -> int:
     except (OSError, TypeError):
         return 0
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    regions = []
     for line in lines:
         fields = line.split()
         anonymous = len(fields) < 6 or fields[5] == "[heap]"
@@ -95,5 +103,12 @@ def back_with_huge_pages(min_bytes: int = 4 * HUGE_PAGE) -> int:
         low, high = (int(value, 16) for value in fields[0].split("-"))
         start, end = -(-low // HUGE_PAGE) * HUGE_PAGE, high // HUGE_PAGE * HUGE_PAGE
         if end - start >= min_bytes:
-            libc.madvise(start, end - start, MADV_COLLAPSE)  # a part that cannot be collapsed stays as it was
+            regions.append((start, end))
+    deadline = time.perf_counter() + budget_s
+    for start, end in sorted(regions, key=lambda region: region[0] - region[1]):
+        for piece in range(start, end, COLLAPSE_PIECE):
+            if time.perf_counter() >= deadline:
+                return huge_page_bytes()
+            # a part that cannot be collapsed stays as it was
+            libc.madvise(piece, min(COLLAPSE_PIECE, end - piece), MADV_COLLAPSE)
     return huge_page_bytes()

@@ -778,7 +778,10 @@ def test_large_regions_move_onto_huge_pages():
     middle = weights.data_ptr() + (32 << 20)
     if "[madvise]" in open("/sys/kernel/mm/transparent_hugepage/enabled").read():
         assert _huge_bytes_at(middle) < 32 << 20
-    assert back_with_huge_pages() == huge_page_bytes()
+        back_with_huge_pages(budget_s=0)  # out of time before the first piece: nothing moves
+        assert _huge_bytes_at(middle) < 32 << 20
+    # The whole test process, whatever its size: the budget is for one model's load.
+    assert back_with_huge_pages(budget_s=300) == huge_page_bytes()
     assert _huge_bytes_at(middle) >= 32 << 20
     assert int(weights.sum()) == 64 << 20  # the contents moved with it
 
