@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from engine import ChatRequest, RequestMetrics, Turn
-from engine.documents import Document, is_pdf
+from engine.inputs.documents import Document, is_pdf
 
 
 class ApiError(Exception):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 
 from engine import STAGES, MetricsStore, RequestMetrics
-from engine.metrics import current_rss
+from engine.records.metrics import current_rss
 
 BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 SERIES = STAGES + ("ttft", "e2e")

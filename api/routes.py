@@ -18,8 +18,9 @@ from starlette.routing import Route
 
 from engine import (Busy, ChatRequest, InsufficientMemory, InvalidImage, InvalidPrompt, PromptTooLong, RequestHandle,
                     RequestMetrics, ServingEngine, StageStarted, TextChunk, VlscopeError)
-from engine.inputs import max_messages
-from engine.trace import PREFILL, VISION_ENCODE, refusal_record
+from engine.inputs.limits import max_messages
+from engine.records.stages import PREFILL, VISION_ENCODE
+from engine.records.trace import refusal_record
 from server.slot import engine_slot, ensure_loaded, get_store, server_settings, shutdown
 
 from . import prometheus, refusals

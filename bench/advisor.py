@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.compute import runs_on_compute_thread
-from engine.system import (
+from engine.core.compute import runs_on_compute_thread
+from engine.kernels.system import (
     HIDDEN,
     INTERMEDIATE,
     PREFILL_ROWS,

@@ -23,15 +23,16 @@ import torch
 from PIL import Image
 
 from engine import compute
-from engine.config import PROJECT_DIR, SKELETON_DIR, EngineConfig, shared_dir
-from engine.engine import Engine
-from engine.images import fit_to_budget
-from engine.metrics import PeakRss
-from engine.model_loading import has_weights, load_model
-from engine.preprocess import single_image_inputs
-from engine.quantize import LINEAR_KINDS
+from engine.config import PROJECT_DIR, SKELETON_DIR, EngineConfig
+from engine.environment import shared_dir
+from engine.client import Engine
+from engine.inputs.limits import fit_to_budget
+from engine.records.metrics import PeakRss
+from engine.model.loading import has_weights, load_model
+from engine.inputs.preprocess import single_image_inputs
+from engine.kernels.quantize import LINEAR_KINDS
 from engine.request import ChatRequest, Turn
-from engine.system import memory_read_gb_per_s, system_report
+from engine.kernels.system import memory_read_gb_per_s, system_report
 
 from .advisor import advise, recommend
 from .plan import APP_SWEEP, FOLLOW_UPS, IMAGE_SIZES, PROMPT, Case, execution_order, plan

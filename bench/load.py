@@ -27,7 +27,8 @@ from pathlib import Path
 import httpx
 from PIL import Image
 
-from engine.config import PROJECT_DIR, shared_dir
+from engine.config import PROJECT_DIR
+from engine.environment import shared_dir
 
 from .cli import machine_line, write_results
 from .harness import default_images_dir

@@ -33,8 +33,9 @@ import psutil
 from PIL import Image
 
 from api.refusals import TALLIED
-from engine.config import PROJECT_DIR, EngineConfig, chromium_binary
-from engine.store import MetricsStore
+from engine.config import PROJECT_DIR, EngineConfig
+from engine.environment import chromium_binary
+from engine.records.store import MetricsStore
 
 from .hostile_backend import serve as serve_hostile_backend
 

@@ -17,8 +17,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from engine.config import PROJECT_DIR, shared_dir
-from engine.system import AVX2_DISPATCH
+from engine.config import PROJECT_DIR
+from engine.environment import shared_dir
+from engine.kernels.system import AVX2_DISPATCH
 
 from .cli import machine_line
 from .harness import bench_image, default_images_dir

@@ -19,8 +19,8 @@ from transformers import DynamicCache
 
 from engine import compute
 from engine.config import DTYPES, EngineConfig
-from engine.engine import Engine
-from engine.generate import next_positions
+from engine.client import Engine
+from engine.model.generate import next_positions
 from .cli import machine_line, write_results
 from .harness import default_model
 

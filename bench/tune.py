@@ -20,10 +20,10 @@ import torch
 from transformers import DynamicCache, StaticCache
 
 from engine.config import DTYPES, EngineConfig
-from engine.generate import decode_one_token, encode_images, prefill, sample
-from engine.images import fit_to_budget
-from engine.model_loading import LoadedModel, load_model
-from engine.preprocess import single_image_inputs
+from engine.model.generate import decode_one_token, encode_images, prefill, sample
+from engine.inputs.limits import fit_to_budget
+from engine.model.loading import LoadedModel, load_model
+from engine.inputs.preprocess import single_image_inputs
 
 from .cli import fail
 from .harness import default_images_dir, default_model

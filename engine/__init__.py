@@ -10,14 +10,14 @@ from .errors import (
                      PromptTooLong,
                      VlscopeError,
 )
-from .metrics import RequestMetrics
+from .records.metrics import RequestMetrics
 from .request import ChatRequest, Queued, StageStarted, TextChunk, Turn
-from .store import MetricsStore, stage_percentiles, to_csv
-from .trace import STAGES, STATUSES
+from .records.store import MetricsStore, stage_percentiles, to_csv
+from .records.stages import STAGES, STATUSES
 
 # The engine itself imports torch and transformers (seconds): loaded on first use, so that the command line's help,
 # its input errors and the measuring tools' light paths start at once.
-_LAZY = {"Answer": "engine", "Engine": "engine", "EngineInfo": "engine", "RequestHandle": "engine",
+_LAZY = {"Answer": "client", "Engine": "client", "EngineInfo": "client", "RequestHandle": "client",
          "ServingEngine": "serving"}
 
 

@@ -34,9 +34,9 @@ def _stage_table(metrics) -> str:
 
 
 def cmd_ask(args) -> int:
-    from .engine import Engine
+    from .client import Engine
     from .errors import VlscopeError
-    from .metrics import RequestMetrics
+    from .records.metrics import RequestMetrics
     from .request import ChatRequest, TextChunk
 
     try:
@@ -77,7 +77,7 @@ def cmd_ask(args) -> int:
 
 
 def cmd_check_images(args) -> int:
-    from .images import check_image
+    from .inputs.images import check_image
 
     config = EngineConfig.from_env()
     all_ok = True
@@ -89,7 +89,7 @@ def cmd_check_images(args) -> int:
 
 
 def cmd_make_tiny(args) -> int:
-    from .tiny import make_tiny
+    from .model.tiny import make_tiny
 
     path = make_tiny(args.skeleton, args.outdir)
     print(path)

@@ -118,12 +118,6 @@ class EngineConfig:
         if self.records_keep_days < 0 or self.records_max_rows < 0:
             raise ValueError("records_keep_days and records_max_rows must be >= 0 (0 keeps all)")
 
-    def open_store(self):
-        """The metrics database these settings name, with their retention."""
-        from .store import MetricsStore
-
-        return MetricsStore(self.db_path, keep_days=self.records_keep_days, max_rows=self.records_max_rows)
-
     @property
     def max_vision_tokens(self) -> int:
         return self.max_pixels // PIXELS_PER_VISION_TOKEN
@@ -233,20 +227,6 @@ def setting_names() -> list[str]:
             for field in dataclasses.fields(cls)]
 
 
-def shared_dir() -> Path:
-    """The folder beside the checkout with real images and the full-size skeleton (tests and tools)."""
-    return Path(os.environ.get("VLSCOPE_SHARED") or PROJECT_DIR.parent / "shared")
-
-
-def max_cpu_isa() -> str:
-    """VLSCOPE_MAX_CPU_ISA: "avx2" makes this project read the CPU's flags as an AVX2-only CPU's (tests and
-    measurements of the AVX2 paths on a bigger CPU, with PyTorch, oneDNN and fbgemm held to AVX2 alike)."""
-    return os.environ.get("VLSCOPE_MAX_CPU_ISA", "").lower()
-
-
-def chromium_binary() -> str:
-    """Headless Chromium for the browser checks of tests and the soak (Debian's package by default)."""
-    return os.environ.get("VLSCOPE_CHROMIUM") or "/usr/bin/chromium"
 
 
 def _as_text(value) -> str:

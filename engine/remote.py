@@ -16,7 +16,7 @@ import uuid
 import httpx
 
 from .config import EngineConfig
-from .engine import EngineInfo, RequestHandle, StreamingMixin
+from .client import EngineInfo, RequestHandle, StreamingMixin
 from .errors import (
     Busy,
     GenerationFailed,
@@ -25,23 +25,15 @@ from .errors import (
     PromptTooLong,
     VlscopeError,
 )
-from .documents import expand_documents
-from .inputs import check_size
-from .images import load_request_images
-from .metrics import current_rss
+from .inputs.documents import expand_documents
+from .inputs.limits import check_size
+from .inputs.images import load_request_images
+from .records.metrics import current_rss
 from .request import ChatRequest, TextChunk
-from .scheduler import Job
-from .store import MetricsStore
-from .trace import (
-    CANCELLED,
-    DECODE,
-    ERROR,
-    OK,
-    REFUSED,
-    SERVER_FIRST_TOKEN,
-    UPLOAD,
-    RequestTrace,
-)
+from .core.scheduler import Job
+from .records.store import MetricsStore, open_store
+from .records.stages import CANCELLED, DECODE, ERROR, OK, REFUSED, SERVER_FIRST_TOKEN, UPLOAD
+from .records.trace import RequestTrace
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +41,7 @@ log = logging.getLogger(__name__)
 class RemoteEngine(StreamingMixin):
     def __init__(self, config: EngineConfig, store: MetricsStore | None = None, progress=None):
         self.config = config
-        self.store = store if store is not None else config.open_store()
+        self.store = store if store is not None else open_store(config)
         self.base_url = config.remote_url.rstrip("/")
         self._client = httpx.Client(timeout=httpx.Timeout(10.0, read=600.0), headers=self._headers())
         self._in_flight = 0

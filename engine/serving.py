@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Iterator, Protocol
 
 from .config import EngineConfig
-from .engine import Answer, EngineInfo, Event, RequestHandle
+from .client import Answer, EngineInfo, Event, RequestHandle
 from .request import ChatRequest
 
 

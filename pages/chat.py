@@ -5,12 +5,12 @@ from pathlib import Path
 import streamlit as st
 
 from engine import InvalidImage, Queued, RequestMetrics, StageStarted, TextChunk, VlscopeError
-from engine.images import load_image
-from engine.trace import RUNNING
+from engine.inputs.images import load_image
+from engine.records.stages import RUNNING
 from ui.engine_resource import get_engine
 from ui.conversation import (PRESETS, ChatTurn, build_request, images_to_attach, inert_markdown, stats_line,
                              transcript)
-from engine.documents import Document
+from engine.inputs.documents import Document
 from ui.documents import document_of, page_picker, png_thumbnail
 from ui.documents import preview as page_preview
 

@@ -5,8 +5,8 @@ from collections import Counter
 import streamlit as st
 
 from engine import STATUSES, stage_percentiles, to_csv
-from engine.trace import REFUSED
-from engine.system import ISA_FLAGS, system_report
+from engine.records.stages import REFUSED
+from engine.kernels.system import ISA_FLAGS, system_report
 from ui.charts import (concurrency_chart, label, latency_over_time, records_frame, rss_chart, server_stages, stage_bars,
                        token_latency_chart)
 from server.slot import engine_slot, get_store

@@ -16,7 +16,8 @@ import streamlit as st
 
 from engine import SKELETON_DIR, Engine, EngineConfig, MetricsStore, ModelUnavailable
 from engine.config import ServerSettings, Settings, load_settings
-from engine.model_loading import looks_like_hub_id
+from engine.records.store import open_store
+from engine.model.loading import looks_like_hub_id
 from engine.remote import RemoteEngine
 
 
@@ -139,7 +140,7 @@ def get_store() -> MetricsStore:
     settings = current_settings()
     with _slot_lock:
         if settings.db_path not in _stores:
-            _stores[settings.db_path] = settings.open_store()
+            _stores[settings.db_path] = open_store(settings)
         return _stores[settings.db_path]
 
 

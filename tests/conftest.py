@@ -16,8 +16,9 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("VLSCOPE_COMPILE", "off")
 
 from engine import Engine, EngineConfig  # noqa: E402
-from engine.config import SKELETON_DIR, shared_dir  # noqa: E402
-from engine.tiny import make_tiny  # noqa: E402
+from engine.config import SKELETON_DIR  # noqa: E402
+from engine.environment import shared_dir  # noqa: E402
+from engine.model.tiny import make_tiny  # noqa: E402
 
 # Real photos and scans beside the checkout (../shared/images), or where VLSCOPE_SHARED points.
 SHARED = shared_dir()

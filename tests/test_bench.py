@@ -10,7 +10,7 @@ import pytest
 from bench.advisor import advise
 from bench.harness import bench_image, reference_result, run_baseline_case, run_engine_case
 from bench.plan import Case, execution_order, plan
-from engine.system import system_report
+from engine.kernels.system import system_report
 
 from .conftest import ROOT
 from .test_api import start_server

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from engine import MetricsStore
-from engine.config import chromium_binary
+from engine.environment import chromium_binary
 
 from .conftest import ROOT, free_port
 

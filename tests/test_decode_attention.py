@@ -7,8 +7,8 @@ import sys
 import pytest
 import torch
 
-from engine.decode_attention import KernelAttention, MatmulAttention, best, cache_folder, choose
-from engine.direct_step import SequenceKV
+from engine.kernels.decode_attention import KernelAttention, MatmulAttention, best, cache_folder, choose
+from engine.kernels.decode_attention import SequenceKV
 
 from .conftest import ROOT
 
@@ -96,7 +96,7 @@ def test_the_kernel_shares_pytorchs_openmp_runtime():
     script = (
         "import torch\n"
         "from pathlib import Path\n"
-        "from engine.decode_attention import KernelAttention, best\n"
+        "from engine.kernels.decode_attention import KernelAttention, best\n"
         "def mapped():\n"
         "    return {line.split()[-1] for line in Path('/proc/self/maps').read_text().splitlines()\n"
         "            if 'libgomp' in line.split()[-1]}\n"

@@ -8,15 +8,15 @@ from PIL import Image
 from transformers import DynamicCache
 
 from engine.config import EngineConfig
-from engine.decode_step import hidden_dtype
-from engine.decode_attention import MatmulAttention, best as best_attention
-from engine.direct_step import DirectDecodeStep
-from engine.generate import (attach_step, decode_batch, decode_one_token, detach_step, encode_images, prefill,
+from engine.model.decode_backend import hidden_dtype
+from engine.kernels.decode_attention import MatmulAttention, best as best_attention
+from engine.kernels.direct_step import DirectDecodeStep
+from engine.model.generate import (attach_step, decode_batch, decode_one_token, detach_step, encode_images, prefill,
                              prefill_text)
-from engine.images import fit_to_budget
-from engine.model_loading import load_model
-from engine.preprocess import chat_messages, image_grids, patchify_images, tokenize_prompt
-from engine.quantize import has_int8_dot_product
+from engine.inputs.limits import fit_to_budget
+from engine.model.loading import load_model
+from engine.inputs.preprocess import chat_messages, image_grids, patchify_images, tokenize_prompt
+from engine.kernels.quantize import has_int8_dot_product
 from engine.request import Turn
 
 STEPS = 20
@@ -242,7 +242,7 @@ def test_a_batch_decodes_each_sequence_as_it_decodes_alone(tiny_model, images_di
 def test_the_vision_encode_in_pieces_is_the_vision_towers_to_the_bit(tiny_model, images_dir):
     """Two pictures encoded in pieces (a yield before every block) give transformers' image features and deepstack
     features exactly."""
-    from engine.generate import encode_images_in_pieces
+    from engine.model.generate import encode_images_in_pieces
 
     loaded = load_model(EngineConfig(model=str(tiny_model), compile="off", warmup=False))
     config = EngineConfig()

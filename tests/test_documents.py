@@ -15,8 +15,8 @@ import pytest
 from PIL import Image
 
 from engine import EngineConfig, InvalidImage, MetricsStore, PromptTooLong
-from engine.documents import Document, as_document, pick_pages
-from engine.trace import LOAD_IMAGES, RENDER_PAGES
+from engine.inputs.documents import Document, as_document, pick_pages
+from engine.records.stages import LOAD_IMAGES, RENDER_PAGES
 
 from . import pdfs
 from .conftest import ROOT

@@ -10,15 +10,16 @@ from PIL import Image
 
 from engine import (Busy, ChatRequest, Engine, EngineConfig, InvalidImage, MetricsStore, ModelUnavailable,
                     PromptTooLong, Queued, RequestMetrics, StageStarted, TextChunk, Turn)
-from engine.decode_attention import best as best_attention
-from engine.generate import Sampler, decode_one_token, encode_images, prefill
-from engine.images import fit_to_budget, load_image
-from engine.metrics import PeakRss
-from engine.fusion import StackedPart, stack_projections_, stacked_products
-from engine.model_loading import decode_weight_bytes, load_model
-from engine.preprocess import chat_messages, patchify_images, tokenize_prompt
-from engine.packing import PackedLinear, keeps_fp16_copy, packing_works, wide_layout_pays
-from engine.quantize import Bf16Embedding, Bf16Linear, Int8Linear, has_int8_dot_product
+from engine.kernels.decode_attention import best as best_attention
+from engine.model.generate import Sampler, decode_one_token, encode_images, prefill
+from engine.inputs.images import load_image
+from engine.inputs.limits import fit_to_budget
+from engine.records.metrics import PeakRss
+from engine.kernels.fusion import StackedPart, stack_projections_, stacked_products
+from engine.model.loading import decode_weight_bytes, load_model
+from engine.inputs.preprocess import chat_messages, patchify_images, tokenize_prompt
+from engine.kernels.packing import PackedLinear, keeps_fp16_copy, packing_works, wide_layout_pays
+from engine.kernels.quantize import Bf16Embedding, Bf16Linear, Int8Linear, has_int8_dot_product
 
 # Tests of the kernels a CPU may or may not have: tests/test_isa.py runs them again under AVX2-only dispatch.
 kernels = pytest.mark.kernels
@@ -598,7 +599,7 @@ def test_single_query_attention_matches_sdpa(dtype):
     """The decode step's attention (grouped-query, with and without a mask) against transformers' sdpa path."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from engine.attention import single_query_attention
+    from engine.kernels.attention import single_query_attention
 
     class Layer:
         num_key_value_groups, is_causal = 2, True
@@ -772,7 +773,7 @@ def _huge_bytes_at(address: int) -> int:
 @pytest.mark.skipif(not _kernel_can_collapse(), reason="needs Linux 6.1+ with transparent huge pages not 'never'")
 def test_large_regions_move_onto_huge_pages():
     """Weights are read once a token: on 2 MB pages rather than 4 KB ones (engine/memory.py has the figures)."""
-    from engine.memory import back_with_huge_pages, huge_page_bytes
+    from engine.model.memory_pages import back_with_huge_pages, huge_page_bytes
 
     weights = torch.ones(64 << 20, dtype=torch.uint8)  # touched: on 4 KB pages unless THP is "always"
     middle = weights.data_ptr() + (32 << 20)
@@ -791,7 +792,7 @@ def test_streaming_detokenizer_gives_the_whole_decode_one_piece_at_a_time(tiny_m
     whole answer, no piece ends mid-character, and each push decodes only the tokens since the last whole character."""
     from transformers import AutoTokenizer
 
-    from engine.output import Detokenizer
+    from engine.core.output import Detokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_model))
     text = "Café au lait, 東京の夜景 🌃 and naïve façades.\nDone."
@@ -824,7 +825,7 @@ def test_a_request_that_fits_only_alone_waits_for_the_running_answers(make_engin
     """Memory held for a running answer's keys and values makes a newcomer wait, a step at a time, not fail: it runs
     once that answer ends. One that would not fit even alone is still refused at once."""
     from engine import InsufficientMemory
-    from engine.memory import estimate_request_bytes
+    from engine.inputs.memory import estimate_request_bytes
 
     engine = make_engine(max_batch=4)
     requests = [ChatRequest(prompt=prompt, max_new_tokens=1500, ignore_eos=True) for prompt in ("One", "Two")]
@@ -834,7 +835,7 @@ def test_a_request_that_fits_only_alone_waits_for_the_running_answers(make_engin
     running = engine.submit(requests[0])
     running_events = running.events()
     first_text(running_events)
-    with caplog.at_level("INFO", logger="engine.engine"):
+    with caplog.at_level("INFO", logger="engine.client"):
         waiting = engine.submit(requests[1])
         (text, metrics), = [engine_answer(waiting)]
     finished = [e for e in running_events if isinstance(e, RequestMetrics)][0]
@@ -870,8 +871,8 @@ def test_a_prefill_in_chunks_is_the_prefill_in_one_piece(tiny_model, images_dir)
     """Chunks of a picture's prompt, each with its slice of the vision tokens (two images, so a chunk holds the end
     of one and the start of the next), give the one-piece prefill's next token and, within float32 rounding, its
     logits and cache; the generator yields between chunks."""
-    from engine.generate import prefill_in_pieces
-    from engine.preprocess import image_grids
+    from engine.model.generate import prefill_in_pieces
+    from engine.inputs.preprocess import image_grids
 
     loaded = load_model(EngineConfig(model=str(tiny_model), compile="off", warmup=False))
     pictures = [Image.open(images_dir / name).convert("RGB") for name in ("coffee.png", "chelsea.png")]
@@ -903,7 +904,7 @@ def test_a_newcomers_prefill_beside_running_answers_goes_in_pieces(make_engine, 
     """Admitted beside a running answer, a picture's prefill runs a chunk at a time, the running answer taking a
     step after each (so a long prompt never pauses it for the whole prefill), and the newcomer's answer is the one
     it gets alone."""
-    import engine.engine as engine_module
+    import engine.client as engine_module
 
     monkeypatch.setattr(engine_module, "FIRST_PREFILL_CHUNK", 8)
     monkeypatch.setattr(engine_module, "PREFILL_PIECE_SECONDS", 0.0)  # every chunk after the first: the least, 8
@@ -927,7 +928,7 @@ def test_a_newcomers_prefill_beside_running_answers_goes_in_pieces(make_engine, 
 
 
 def test_prefill_chunks_are_sized_to_take_the_piece_time_at_the_last_chunks_rate():
-    from engine.engine import chunk_for
+    from engine.client import chunk_for
 
     assert chunk_for(32, 0.78, 0.9) == 32  # float32 here: 41 tokens a second
     assert chunk_for(32, 0.22, 0.9) == 128  # int8 here: 145 tokens a second

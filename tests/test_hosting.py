@@ -14,7 +14,7 @@ from PIL import Image
 
 from api import prometheus
 from engine import MetricsStore
-from engine.metrics import RequestMetrics
+from engine.records.metrics import RequestMetrics
 from server.slot import shutdown
 
 from .test_api import start_server

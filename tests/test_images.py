@@ -14,7 +14,8 @@ import pytest
 from PIL import Image
 
 from engine.errors import InvalidImage
-from engine.images import enhance_for_ocr, fit_to_budget, load_image, vision_token_count
+from engine.inputs.images import enhance_for_ocr, load_image
+from engine.inputs.limits import fit_to_budget, vision_token_count
 
 from .conftest import ROOT
 

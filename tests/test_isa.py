@@ -13,9 +13,9 @@ import sys
 import pytest
 import torch
 
-from engine.packing import packing_works
-from engine.quantize import has_int8_dot_product
-from engine.system import AVX2_DISPATCH, _ABOVE_AVX2, cpu_flags, held_to_avx2
+from engine.kernels.packing import packing_works
+from engine.kernels.quantize import has_int8_dot_product
+from engine.kernels.system import AVX2_DISPATCH, _ABOVE_AVX2, cpu_flags, held_to_avx2
 
 from .conftest import ROOT
 

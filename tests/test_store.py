@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from engine.metrics import RequestMetrics
-from engine.store import SCHEMA_VERSION, MetricsStore, stage_percentiles, to_csv
+from engine.records.metrics import RequestMetrics
+from engine.records.store import SCHEMA_VERSION, MetricsStore, stage_percentiles, to_csv
 
 
 def record(i: int, submitted_at: float, **changes) -> RequestMetrics:

@@ -9,7 +9,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from engine import RequestMetrics
-from engine.trace import DECODE, PREFILL, QUEUE_WAIT, STAGES
+from engine.records.stages import DECODE, PREFILL, QUEUE_WAIT, STAGES
 
 GIB = 1 << 30
 # One colour per name of QUEUE_WAIT + STAGES, in that order.

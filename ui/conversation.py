@@ -6,8 +6,8 @@ import re
 from dataclasses import dataclass, field
 
 from engine import ChatRequest, RequestMetrics, Turn
-from engine.documents import Document
-from engine.trace import OK, RENDER_PAGES
+from engine.inputs.documents import Document
+from engine.records.stages import OK, RENDER_PAGES
 
 GIB = 1 << 30
 

@@ -7,8 +7,8 @@ import io
 import streamlit as st
 
 from engine import EngineConfig, InvalidImage, PromptTooLong
-from engine.documents import Document, as_document, page_tokens, pick_pages
-from engine.images import to_rgb
+from engine.inputs.documents import Document, as_document, page_tokens, pick_pages
+from engine.inputs.images import to_rgb
 
 
 @st.cache_data(max_entries=32, show_spinner=False)

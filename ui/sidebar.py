@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from engine.metrics import current_rss
+from engine.records.metrics import current_rss
 from server.signed_in import exposed_without_sign_in
 from server.slot import LoadedEngine
 

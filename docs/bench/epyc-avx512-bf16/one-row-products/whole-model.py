@@ -13,7 +13,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[4]))
 from bench.harness import bench_image, default_images_dir, default_model  # noqa: E402
 from engine import EngineConfig  # noqa: E402
-from engine.engine import Engine  # noqa: E402
+from engine.client import Engine  # noqa: E402
 from engine.request import ChatRequest, Turn  # noqa: E402
 
 ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 3

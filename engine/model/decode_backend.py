@@ -18,10 +18,10 @@ from pathlib import Path
 
 import torch
 
-from .direct_step import DirectDecodeStep
+from ..kernels.direct_step import DirectDecodeStep
 from .generate import attach_step, decode_one_token, prefill
-from .preprocess import chat_messages, tokenize_prompt
-from .packing import keeps_fp16_copy
+from ..inputs.preprocess import chat_messages, tokenize_prompt
+from ..kernels.packing import keeps_fp16_copy
 
 log = logging.getLogger(__name__)
 

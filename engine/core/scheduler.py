@@ -14,8 +14,8 @@ import time
 from collections import deque
 from typing import Callable, Generic, TypeVar
 
-from .errors import Busy
-from .request import ChatRequest, Queued
+from ..errors import Busy
+from ..request import ChatRequest, Queued
 
 log = logging.getLogger(__name__)
 

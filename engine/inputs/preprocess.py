@@ -7,7 +7,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from .images import vision_token_count
+from .images import enhance_for_ocr
+from .limits import check_length, fit_to_budget, vision_token_count
 
 
 @dataclass
@@ -86,3 +87,31 @@ def single_image_inputs(loaded, image, resized: tuple[int, int], text: str) -> t
     `loaded` is a LoadedModel, `resized` the size the image is fitted to."""
     prompt = tokenize_prompt(loaded.tokenizer, chat_messages((), text, [1]), [resized], loaded.image_token_id)
     return prompt, patchify_images(loaded.image_processor, [image], [resized])
+
+
+@dataclass
+class PreparedInput:
+    prompt: PromptTokens
+    sizes: list[tuple[int, int]]  # each picture's size within the image token budget
+    keys: tuple[str, ...]  # each picture's identity for the prefix cache: content hash, enhancement, size
+
+
+def ocr_pictures(job) -> list:
+    return [enhance_for_ocr(image.image) for image in job.images]
+
+
+def prepare_input(job, pictures: list, loaded, config, context_length: int) -> PreparedInput:
+    """Template and tokens of `job`'s conversation with its `pictures` fitted to the image budget; raises
+    PromptTooLong before any compute when it cannot fit."""
+    request = job.request
+    sizes = [fit_to_budget(*picture.size, config.min_pixels, config.max_pixels) for picture in pictures]
+    image_counts = [len(turn.images) for turn in request.history if turn.role == "user"]
+    messages = chat_messages(request.history, request.prompt, image_counts + [len(request.images)])
+    prompt = tokenize_prompt(loaded.tokenizer, messages, sizes, loaded.image_token_id)
+    trace = job.trace
+    trace.resized_sizes = tuple(sizes)
+    trace.vision_tokens = sum(vision_token_count(size) for size in sizes)
+    trace.prompt_tokens = prompt.input_ids.shape[1]
+    check_length(trace.prompt_tokens, trace.max_new_tokens, config.max_input_tokens, context_length)
+    keys = tuple(f"{image.sha256}/{int(request.enhance_for_ocr)}/{w}x{h}" for image, (w, h) in zip(job.images, sizes))
+    return PreparedInput(prompt, sizes, keys)

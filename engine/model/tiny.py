@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from .model_loading import SKELETON_FILES, build_synthetic
+from .loading import SKELETON_FILES, build_synthetic
 
 TINY_TEXT = dict(
     hidden_size=32,

@@ -18,16 +18,16 @@ from urllib.parse import urlparse
 import torch
 from torch import nn
 
-from . import attention
-from .config import EngineConfig
-from .decode_step import compiles_when_auto
-from .errors import ModelUnavailable
-from .fusion import stack_projections_
-from .memory import release_freed_memory
-from .packing import decode_rows, keeps_fp16_copy, pack_linears_, packing_unavailable, packing_works
-from .quantize import (INT8_WITHOUT_VNNI, LINEAR_KINDS, compute_in_float32_, has_int8_dot_product, linear_weight_bytes,
+from ..kernels import attention
+from ..config import EngineConfig
+from .decode_backend import compiles_when_auto
+from ..errors import ModelUnavailable
+from ..kernels.fusion import stack_projections_
+from .memory_pages import release_freed_memory
+from ..kernels.packing import decode_rows, keeps_fp16_copy, pack_linears_, packing_unavailable, packing_works
+from ..kernels.quantize import (INT8_WITHOUT_VNNI, LINEAR_KINDS, compute_in_float32_, has_int8_dot_product, linear_weight_bytes,
                        quantize_int8_)
-from .system import bfloat16_matmul_is_faster
+from ..kernels.system import bfloat16_matmul_is_faster
 
 log = logging.getLogger(__name__)
 

@@ -29,9 +29,8 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from .decode_attention import best as best_attention
+from .decode_attention import SequenceKV, best as best_attention
 from .fusion import stacked_products
-from .generate import append_decoded
 
 # Keys and values are stored this many positions at a time: a request grows its buffers a few times at most.
 GROWTH = 256
@@ -41,16 +40,20 @@ GROWTH = 256
 PREFILL_CHUNK = 256
 
 
-class SequenceKV:
-    """One sequence's keys and values in the step's buffers: per layer (kv heads, capacity, head dim), and
-    how many positions are filled. Each sequence of a batch has its own, so each attends over its own length."""
 
-    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], length: int):
-        self.keys, self.values, self.length = keys, values, length
 
-    @property
-    def capacity(self) -> int:
-        return self.keys[0].shape[1] if self.keys else 0
+def append_decoded(cache: DynamicCache, keys, values, length: int, empty_dtype: torch.dtype) -> None:
+    """Append to a prefilled `cache` what a decode step kept elsewhere: positions from the cache's own length up to
+    `length` of each layer's (1, kv heads, n, head dim) `keys` and `values`, in the cache's dtype, so that the prefix
+    cache keeps the answer for the conversation's next turn."""
+    for index, (layer, layer_keys, layer_values) in enumerate(zip(cache.layers, keys, values)):
+        start = layer.get_seq_length()
+        if length > start:
+            # A layer still empty (a text prompt the step prefilled) takes `empty_dtype`: what transformers' prefill
+            # would have stored.
+            dtype = layer.keys.dtype if start else empty_dtype
+            cache.update(layer_keys[:, :, start:length].to(dtype, copy=True),
+                         layer_values[:, :, start:length].to(dtype, copy=True), index)
 
 
 class DirectDecodeStep:

@@ -19,7 +19,8 @@ import psutil
 import torch
 from PIL import Image
 
-from . import compute, decode_step
+from .core import compute
+from .model import decode_backend as decode_step
 from .config import EngineConfig
 from .errors import (
     Busy,
@@ -30,37 +31,27 @@ from .errors import (
     PromptTooLong,
     VlscopeError,
 )
-from .decode_attention import best as best_attention
-from .direct_step import DirectDecodeStep
-from .generate import (DecodeState, Sampler, attach_step, decode_batch, decode_one_token, detach_step,
+from .kernels.decode_attention import best as best_attention
+from .kernels.direct_step import DirectDecodeStep
+from .model.generate import (DecodeState, Sampler, attach_step, decode_batch, decode_one_token, detach_step,
                        encode_images_in_pieces, prefill_in_pieces, prefill_text)
-from .documents import expand_documents
-from .images import load_request_images
-from .inputs import check_memory, check_size, check_text, control_tokens, ocr_pictures, prepare_input
-from .memory import back_with_huge_pages, huge_pages_pay
-from .metrics import RequestMetrics, PeakRss, current_rss
-from .output import SequenceOutput
-from .packing import decode_rows
-from .system import memory_read_gb_per_s
-from .model_loading import LoadedModel, ProgressCallback, load_model, may_compile, pack_remaining_linears
-from .prefix_cache import CachedSequence, PrefixCache, image_spans
-from .preprocess import image_grids, patchify_images
+from .inputs.documents import expand_documents
+from .inputs.images import load_request_images
+from .inputs.limits import check_memory, check_size, check_text, control_tokens
+from .inputs.preprocess import ocr_pictures, prepare_input
+from .model.memory_pages import back_with_huge_pages, huge_pages_pay
+from .records.metrics import RequestMetrics, PeakRss, current_rss
+from .core.output import SequenceOutput
+from .kernels.packing import decode_rows
+from .kernels.system import memory_read_gb_per_s
+from .model.loading import LoadedModel, ProgressCallback, load_model, may_compile, pack_remaining_linears
+from .core.prefix_cache import CachedSequence, PrefixCache, image_spans
+from .inputs.preprocess import image_grids, patchify_images
 from .request import ChatRequest, Queued, StageStarted, TextChunk
-from .scheduler import Job, Scheduler
-from .store import MetricsStore
-from .trace import (
-    CANCELLED,
-    DECODE,
-    DETOKENIZE,
-    ERROR,
-    OCR_ENHANCE,
-    OK,
-    PREFILL,
-    PREPROCESS,
-    REFUSED,
-    VISION_ENCODE,
-    RequestTrace,
-)
+from .core.scheduler import Job, Scheduler
+from .records.store import MetricsStore, open_store
+from .records.stages import CANCELLED, DECODE, DETOKENIZE, ERROR, OCR_ENHANCE, OK, PREFILL, PREPROCESS, REFUSED, VISION_ENCODE
+from .records.trace import RequestTrace
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +191,7 @@ class Engine(StreamingMixin):
                  store: MetricsStore | None = None):
         self.config = config or EngineConfig.from_env()
         report = progress or (lambda fraction, message: None)
-        self.store = store if store is not None else self.config.open_store()
+        self.store = store if store is not None else open_store(self.config)
         self.store.mark_interrupted(psutil.pid_exists)  # requests a killed server left running
         started = time.perf_counter()
         self.loaded: LoadedModel = compute.run(load_model, self.config, progress=report)

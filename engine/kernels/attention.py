@@ -4,7 +4,7 @@ A decode step attends one query per head over the cached keys: a few hundred tho
 which scaled_dot_product_attention's CPU flash kernel pays more in setup than in arithmetic. Prefill and the vision
 tower keep the fused kernel, and so does everything transformers decides about masks: only the function behind the
 "sdpa" name changes, and only for single-query calls, which go to the decode attention of
-engine/decode_attention.py (its C kernel, or the two small matmuls and softmax of single_query here), the same as
+decode_attention.py (its C kernel, or the two small matmuls and softmax of its single_query), the same as
 the direct step's (docs/decisions.md, "Single-query attention", "Decode attention kernel").
 
 The arithmetic is float32 even for a bfloat16 cache: at these shapes (two query rows per key head) the bfloat16
@@ -16,15 +16,9 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from .decode_attention import best  # the direct step's attention too: the two agree to the bit
 
-def single_query(grouped: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
-    """grouped (kv heads, groups, d): each key head's query rows; keys and values (kv heads, n, d) -> (kv heads,
-    groups, d). The scores are taken as keys times queries, keys first: with two query rows against hundreds of
-    keys, that product streams the keys twice as fast as queries times transposed keys (docs/decisions.md,
-    "Single-query attention")."""
-    scores = torch.bmm(keys, grouped.transpose(1, 2)).mul_(scaling)  # (kv heads, n, groups)
-    probs = torch.softmax(scores.transpose(1, 2), dim=-1)
-    return torch.bmm(probs, values)
+
 
 
 def single_query_attention(query, key, value, attention_mask=None, scaling=None, groups: int = 1) -> torch.Tensor:
@@ -38,8 +32,6 @@ def single_query_attention(query, key, value, attention_mask=None, scaling=None,
     grouped = query.reshape(batch * kv_heads, groups, dim)
     key, value = key.reshape(batch * kv_heads, length, dim), value.reshape(batch * kv_heads, length, dim)
     if attention_mask is None:
-        from .decode_attention import best  # the direct step's attention too: the two agree to the bit
-
         out = best()[0].cached(grouped, key, value, scaling)
     else:  # rare: a padded batch through transformers' forward
         key, value = key.float(), value.float()

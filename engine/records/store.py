@@ -16,7 +16,7 @@ from typing import Callable
 import numpy as np
 
 from .metrics import RequestMetrics
-from .trace import INTERRUPTED, RUNNING, STAGES
+from .stages import INTERRUPTED, RUNNING, STAGES
 
 log = logging.getLogger(__name__)
 
@@ -238,3 +238,8 @@ def _inert(value):
     if isinstance(value, str) and value[:1] in ("=", "+", "-", "@", "\t", "\r"):
         return "'" + value
     return value
+
+
+def open_store(config) -> MetricsStore:
+    """The metrics database an EngineConfig names, with its retention."""
+    return MetricsStore(config.db_path, keep_days=config.records_keep_days, max_rows=config.records_max_rows)

@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from .memory import proc_bytes
 
 
 @dataclass(frozen=True)
@@ -139,3 +138,16 @@ def _restart_high_water_mark() -> bool:
 
 def _high_water_mark() -> int | None:
     return proc_bytes("/proc/self/status", "VmHWM")
+
+
+def proc_bytes(path: str, field: str) -> int | None:
+    """A "Field:  N kB" line of a /proc file (status, smaps_rollup) in bytes; None where the kernel has no such
+    file or line."""
+    try:
+        with open(path) as lines:
+            for line in lines:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .request import TextChunk
+from ..request import TextChunk
 
 # A token whose bytes end mid-character waits for the next ones; past this many the text is released as decoded.
 MAX_PENDING_TOKENS = 8

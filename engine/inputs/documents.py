@@ -17,8 +17,8 @@ from pathlib import Path
 
 from PIL import Image
 
-from .errors import InvalidImage, PromptTooLong
-from .images import fit_to_budget, read_source, vision_token_count
+from ..errors import InvalidImage, PromptTooLong
+from .limits import fit_to_budget, read_source, vision_token_count
 
 PDF_MAGIC = b"%PDF-"
 TIFF_MAGICS = (b"II*\x00", b"MM\x00*")

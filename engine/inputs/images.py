@@ -12,21 +12,18 @@ import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import numpy as np
 from PIL import Image, ImageFile, ImageFilter, ImageOps, UnidentifiedImageError
 
-from .config import PIXELS_PER_VISION_TOKEN
-from .errors import InvalidImage, PromptTooLong
-
-if TYPE_CHECKING:
-    from .documents import Page, RenderClock
+from ..errors import InvalidImage, PromptTooLong
+from .documents import Page, RenderClock, as_document, pick_pages
+from .limits import fit_to_budget, read_source, vision_token_count
 
 # Truncated files are refused, never padded with grey.
 ImageFile.LOAD_TRUNCATED_IMAGES = False
 
-MERGED_PATCH = 32  # pixels per side of one vision token
 MAX_ASPECT_RATIO = 200  # the vision tower's limit
 
 
@@ -38,38 +35,6 @@ class LoadedImage:
     sha256: str
     page: int | None = None  # a document's page: its number
     document: str | None = None  # and the document's name
-
-
-def read_source(source, max_bytes: int) -> tuple[bytes | None, Image.Image | None, str]:
-    """An image source's bytes (or the PIL image handed in) and its name, within the byte limit."""
-    if isinstance(source, Image.Image):
-        return None, source, "image"
-    if isinstance(source, (bytes, bytearray, memoryview)):
-        data = bytes(source)
-        name = "upload"
-    elif isinstance(source, (str, Path)):
-        path = Path(source)
-        name = path.name
-        try:
-            size = path.stat().st_size
-        except OSError as exc:
-            raise InvalidImage(f"{name}: cannot read the file ({exc.strerror or exc})") from None
-        if size > max_bytes:
-            raise InvalidImage(f"{name}: file is {size / 1e6:.1f} MB, over the {max_bytes / 1e6:.0f} MB limit")
-        try:
-            data = path.read_bytes()
-        except OSError as exc:
-            raise InvalidImage(f"{name}: cannot read the file ({exc.strerror or exc})") from None
-    elif hasattr(source, "read"):
-        data = source.read(max_bytes + 1)
-        name = getattr(source, "name", "upload")
-    else:
-        raise InvalidImage(f"unsupported image input of type {type(source).__name__}")
-    if len(data) == 0:
-        raise InvalidImage(f"{name}: the file is empty")
-    if len(data) > max_bytes:
-        raise InvalidImage(f"{name}: file is over the {max_bytes / 1e6:.0f} MB limit")
-    return data, None, name
 
 
 @dataclass
@@ -91,8 +56,6 @@ _DECODE_LOCK = threading.Lock()
 def read_header(source, *, max_pixels: int, max_bytes: int, name: str | None = None) -> ImageHeader:
     """Open an image and check what its header declares (size, aspect, pixel count), decoding nothing. Raises
     InvalidImage with a readable reason, naming `name`."""
-    from .documents import Page
-
     if isinstance(source, Page):
         width, height = source.size
         if max(width, height) / min(width, height) > MAX_ASPECT_RATIO:
@@ -120,13 +83,11 @@ def read_header(source, *, max_pixels: int, max_bytes: int, name: str | None = N
         return ImageHeader(name, (width, height), image.format or "unknown", data, image)
 
 
-def decode(header: ImageHeader, budget_pixels: int | None = None, clock: "RenderClock | None" = None) -> LoadedImage:
+def decode(header: ImageHeader, budget_pixels: int | None = None, clock: RenderClock | None = None) -> LoadedImage:
     """Decode one image to RGB (EXIF orientation applied). With `budget_pixels` (what the model will see), an image
     far larger is decoded smaller where the format allows it (JPEG's DCT scaling) and reduced right after decoding,
     before it is widened to RGB, so its full-size RGB copy never exists; it keeps at least twice the budget's side."""
     if header.page is not None:
-        from .documents import RenderClock
-
         with _DECODE_LOCK, _readable(header.name, header.size[0] * header.size[1]):
             rgb = to_rgb((clock or RenderClock()).render(header.page))
         return LoadedImage(image=rgb, original_size=rgb.size, format=header.format, sha256=header.page.sha256,
@@ -186,7 +147,7 @@ def load_image(source, *, max_pixels: int, max_bytes: int, name: str | None = No
 
 
 def load_request_images(request, config, admit: Callable[[], None] | None = None,
-                        clock: "RenderClock | None" = None) -> list[LoadedImage]:
+                        clock: RenderClock | None = None) -> list[LoadedImage]:
     """Every image of a conversation, earlier turns first. The request is admitted from the images' headers before
     any is decoded: each image's and the request's pixels, its vision tokens against the prompt limit, and then
     `admit()` (the queue's room, say), which raises to turn it away. Then one image at a time is decoded, at the size
@@ -229,30 +190,6 @@ def to_rgb(image: Image.Image) -> Image.Image:
         background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         return Image.alpha_composite(background, rgba).convert("RGB")
     return image.convert("RGB")
-
-
-def fit_to_budget(width: int, height: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
-    """The (width, height) the model sees: multiples of 32, aspect kept, pixel count within the budget.
-
-    Same rule as Qwen2-VL's smart_resize, so the resized size and the token count agree with the reference processor.
-    """
-    factor = MERGED_PATCH
-    h_bar = round(height / factor) * factor
-    w_bar = round(width / factor) * factor
-    if h_bar * w_bar > max_pixels:
-        beta = math.sqrt((height * width) / max_pixels)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
-        h_bar = math.ceil(height * beta / factor) * factor
-        w_bar = math.ceil(width * beta / factor) * factor
-    return w_bar, h_bar
-
-
-def vision_token_count(resized: tuple[int, int]) -> int:
-    width, height = resized
-    return (width * height) // PIXELS_PER_VISION_TOKEN
 
 
 def enhance_for_ocr(image: Image.Image) -> Image.Image:
@@ -303,8 +240,6 @@ def deskew(grey: Image.Image, max_angle: float = 5.0, step: float = 0.5) -> Imag
 def check_image(source, config) -> dict:
     """The verdict `check-images` prints: accepted with sizes and token counts (a document: its pages, those a
     request would read, and each one's size and tokens), or refused with the reason."""
-    from .documents import RenderClock, as_document, pick_pages
-
     name = str(source) if isinstance(source, (str, Path)) else "upload"
     try:
         document = as_document(source, config.max_image_bytes)

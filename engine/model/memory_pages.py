@@ -1,5 +1,5 @@
-"""How much memory a request will take beyond the weights, estimated before it runs, so that a request that
-cannot fit is refused with a message instead of pushing the server into swap or the OOM killer."""
+"""Where the loaded weights sit in the process's memory: freed load-time copies handed back to the operating system,
+and the weights moved onto huge pages, which decode streams through once a token."""
 from __future__ import annotations
 
 import ctypes
@@ -7,27 +7,7 @@ import ctypes.util
 import sys
 import time
 
-import psutil
-
-# Activations are estimated at their largest live set, times this margin for allocator slack and temporaries.
-MARGIN = 2.0
-
-
-def estimate_request_bytes(model_config, vision_patches: int, prompt_tokens: int, new_tokens: int,
-                           bytes_per_value: int, float32_decode_cache: bool = False) -> int:
-    """`float32_decode_cache`: decode keeps a float32 copy of the keys and values (engine/direct_step.py)."""
-    text, vision = model_config.get_text_config(), model_config.vision_config
-    head_dim = getattr(text, "head_dim", text.hidden_size // text.num_attention_heads)
-    kv_cache = (prompt_tokens + new_tokens) * text.num_hidden_layers * 2 * text.num_key_value_heads * head_dim
-    prefill = prompt_tokens * (4 * text.hidden_size + 3 * text.intermediate_size)
-    logits = text.vocab_size * 4  # the last position's float32 logits
-    encoder = vision_patches * (6 * vision.hidden_size + 2 * vision.intermediate_size)
-    decode_copy = kv_cache * 4 if float32_decode_cache else 0
-    return int(((kv_cache + max(prefill, encoder)) * bytes_per_value + decode_copy) * MARGIN + logits)
-
-
-def available_bytes() -> int:
-    return psutil.virtual_memory().available
+from ..records.metrics import proc_bytes
 
 
 def release_freed_memory() -> None:
@@ -46,24 +26,11 @@ HUGE_PAGE = 2 << 20
 # Weights below this are moved onto huge pages for nothing: the move costs seconds over the whole process's memory
 # whatever the model's size, and a token that reads a few megabytes of weights gains too little to see.
 HUGE_PAGES_FROM_WEIGHT_BYTES = 256 << 20
-# Where the kernel must compact memory to find free huge pages, the move takes far longer than the 2.5 s per GB it
-# takes elsewhere (25-28 s for the int8 model on a shared VM, for no decode gain measurable there): load stops it
-# after this long. Regions go largest first, in pieces, so the weights move first.
+# Where the kernel must compact memory to find free huge pages the move can take far longer than elsewhere
+# (docs/decisions.md, "Huge pages after load"): load stops it after this long. Regions go largest first, in pieces,
+# so the weights move first.
 HUGE_PAGES_BUDGET_S = 8.0
 COLLAPSE_PIECE = 64 << 20
-
-
-def proc_bytes(path: str, field: str) -> int | None:
-    """A "Field:  N kB" line of a /proc file (status, smaps_rollup) in bytes; None where the kernel has no such
-    file or line."""
-    try:
-        with open(path) as lines:
-            for line in lines:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def huge_page_bytes() -> int:
@@ -82,8 +49,8 @@ def back_with_huge_pages(min_bytes: int = 4 * HUGE_PAGE, budget_s: float = HUGE_
     Decode streams every weight once a token, and with 4 KB pages every 4 KB of it is one more TLB entry to find
     (docs/decisions.md, "Huge pages after load"). Distributions enable transparent huge pages only where a
     program asks ("madvise"), and PyTorch asks only with THP_MEM_ALLOC_ENABLE=1 and only for its own allocations
-    (fbgemm's int8 weights are not), so this asks the kernel for each region. Costs about 2.5 s per GB, once, at
-    load, and stops after `budget_s`. Where the kernel cannot (not Linux, older than 6.1, huge pages disabled)
+    (fbgemm's int8 weights are not), so this asks the kernel for each region. Runs once, at load, and stops after
+    `budget_s`. Where the kernel cannot (not Linux, older than 6.1, huge pages disabled)
     nothing changes."""
     if not sys.platform.startswith("linux"):
         return 0

@@ -1,7 +1,7 @@
 """Decode attention for every sequence of a step in one call: a small C kernel built at first use, else matmuls.
 
 Each sequence of a decode step attends its own keys and values, which are read whole at every step. PyTorch's
-batched matmuls (engine/attention.py, single_query) read them at about half the rate memory allows at these shapes,
+batched matmuls (single_query below) read them at about half the rate memory allows at these shapes,
 and four answers at once spent a third of their step there. decode_attention.c writes each new key and value and
 attends in one pass over each sequence's buffers, for all sequences and heads in one OpenMP loop (docs/decisions.md,
 "Decode attention kernel").
@@ -25,13 +25,33 @@ from pathlib import Path
 
 import torch
 
-from .attention import single_query
 from .system import cpu_flags, held_to_avx2
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_suffix(".c")
 
+
+class SequenceKV:
+    """One sequence's keys and values in the step's buffers: per layer (kv heads, capacity, head dim), and
+    how many positions are filled. Each sequence of a batch has its own, so each attends over its own length."""
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], length: int):
+        self.keys, self.values, self.length = keys, values, length
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[1] if self.keys else 0
+
+
+def single_query(grouped: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
+    """grouped (kv heads, groups, d): each key head's query rows; keys and values (kv heads, n, d) -> (kv heads,
+    groups, d). The scores are taken as keys times queries, keys first: with two query rows against hundreds of
+    keys, that product streams the keys twice as fast as queries times transposed keys (docs/decisions.md,
+    "Single-query attention")."""
+    scores = torch.bmm(keys, grouped.transpose(1, 2)).mul_(scaling)  # (kv heads, n, groups)
+    probs = torch.softmax(scores.transpose(1, 2), dim=-1)
+    return torch.bmm(probs, values)
 
 def cache_folder() -> Path:
     """Where built kernels are kept: the user's cache folder, else (not writable) a folder of this user's own in the
@@ -47,10 +67,8 @@ def cache_folder() -> Path:
             continue
     raise RuntimeError("no cache folder of this user's own to build the kernel in")
 
-
 def _isa_flags() -> list[str]:
     return ["-mavx2", "-mfma", "-mf16c"] if held_to_avx2() else ["-march=native"]
-
 
 def _build(compiler: str, folder: Path) -> Path:
     """The shared library for this source, compiler and instruction set, built unless already there."""
@@ -73,7 +91,6 @@ def _build(compiler: str, folder: Path) -> Path:
         os.replace(built, library)  # whole or not at all, if two processes build at once
     return library
 
-
 def _load(library: Path):
     function = ctypes.CDLL(str(library)).decode_attention
     function.restype = ctypes.c_int
@@ -81,7 +98,6 @@ def _load(library: Path):
     function.argtypes = [int64, int64, int64, int64, address, address, address, address, address, address, address,
                          ctypes.c_int, ctypes.c_float, address]
     return function
-
 
 class KernelAttention:
     """The C kernel: `step(kvs)` prepares a decode step's tables, then one call per layer."""
@@ -138,9 +154,8 @@ class KernelAttention:
             raise MemoryError("decode attention: no scratch memory")
         return out
 
-
 class MatmulAttention:
-    """PyTorch's batched matmuls, a sequence at a time (engine/attention.py)."""
+    """PyTorch's batched matmuls, a sequence at a time (single_query)."""
 
     reads_bfloat16 = False  # would widen a bfloat16 cache whole at every step: float32 buffers suit it
 
@@ -161,12 +176,9 @@ class MatmulAttention:
     def cached(grouped, keys, values, scaling):
         return single_query(grouped, keys.float(), values.float(), scaling)
 
-
 def _agrees(kernel: KernelAttention, dtype: torch.dtype) -> bool:
     """The kernel against the matmuls on a small random case, with a sequence of its own length each."""
     generator = torch.Generator().manual_seed(0)
-    from .direct_step import SequenceKV
-
     kvs = [SequenceKV([torch.randn(2, 48, 64, generator=generator).to(dtype)],
                       [torch.randn(2, 48, 64, generator=generator).to(dtype)], length) for length in (5, 31)]
     copies = [SequenceKV([kv.keys[0].clone()], [kv.values[0].clone()], kv.length) for kv in kvs]
@@ -176,7 +188,6 @@ def _agrees(kernel: KernelAttention, dtype: torch.dtype) -> bool:
     want = MatmulAttention().step(copies, 2, 2, 64, 0.125)(0, query, key, value)
     return torch.allclose(got, want, atol=1e-5, rtol=1e-4) and all(
         torch.equal(a.keys[0], b.keys[0]) and torch.equal(a.values[0], b.values[0]) for a, b in zip(kvs, copies))
-
 
 def choose(compiler: str | None) -> tuple[KernelAttention | MatmulAttention, str]:
     """The kernel built with `compiler` where it builds and agrees with the matmuls, else the matmuls; and a line
@@ -192,7 +203,6 @@ def choose(compiler: str | None) -> tuple[KernelAttention | MatmulAttention, str
         log.warning("decode attention kernel unavailable: %s", exc)
         return MatmulAttention(), f"attention on PyTorch's matmuls: building vlscope's kernel failed ({exc})"
     return kernel, f"attention on vlscope's kernel ({'AVX2' if held_to_avx2() else 'this CPU'})"
-
 
 @functools.cache
 def best() -> tuple[KernelAttention | MatmulAttention, str]:

@@ -1,41 +1,15 @@
-"""Input processing: a request's pictures, chat template and tokens, and the limits it must keep, before any model
-compute. The engine calls it inside its preprocess stage; nothing here touches the model's weights."""
+"""The limits a request must keep, checked before any model compute: its text, messages and images, each source's
+bytes, each picture's size within the image token budget, and the memory it would take."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from pathlib import Path
 
-from .errors import InsufficientMemory, InvalidImage, InvalidPrompt, PromptTooLong
-from .images import enhance_for_ocr, fit_to_budget, vision_token_count
+from PIL import Image
+
+from ..errors import InsufficientMemory, InvalidImage, InvalidPrompt, PromptTooLong
+from ..config import PIXELS_PER_VISION_TOKEN
 from .memory import available_bytes, estimate_request_bytes
-from .preprocess import PromptTokens, chat_messages, tokenize_prompt
-
-
-@dataclass
-class PreparedInput:
-    prompt: PromptTokens
-    sizes: list[tuple[int, int]]  # each picture's size within the image token budget
-    keys: tuple[str, ...]  # each picture's identity for the prefix cache: content hash, enhancement, size
-
-
-def ocr_pictures(job) -> list:
-    return [enhance_for_ocr(image.image) for image in job.images]
-
-
-def prepare_input(job, pictures: list, loaded, config, context_length: int) -> PreparedInput:
-    """Template and tokens of `job`'s conversation with its `pictures` fitted to the image budget; raises
-    PromptTooLong before any compute when it cannot fit."""
-    request = job.request
-    sizes = [fit_to_budget(*picture.size, config.min_pixels, config.max_pixels) for picture in pictures]
-    image_counts = [len(turn.images) for turn in request.history if turn.role == "user"]
-    messages = chat_messages(request.history, request.prompt, image_counts + [len(request.images)])
-    prompt = tokenize_prompt(loaded.tokenizer, messages, sizes, loaded.image_token_id)
-    trace = job.trace
-    trace.resized_sizes = tuple(sizes)
-    trace.vision_tokens = sum(vision_token_count(size) for size in sizes)
-    trace.prompt_tokens = prompt.input_ids.shape[1]
-    check_length(trace.prompt_tokens, trace.max_new_tokens, config.max_input_tokens, context_length)
-    keys = tuple(f"{image.sha256}/{int(request.enhance_for_ocr)}/{w}x{h}" for image, (w, h) in zip(job.images, sizes))
-    return PreparedInput(prompt, sizes, keys)
 
 
 def control_tokens(tokenizer) -> tuple[str, ...]:
@@ -115,3 +89,61 @@ def check_memory(model_config, sizes, prompt_tokens: int, max_new_tokens: int, c
             f"{max(room, 0) / 2**30:.1f} GiB is available{busy}. Use fewer or smaller images, a lower image token "
             "budget, fewer new tokens, or bfloat16."
         )
+
+
+MERGED_PATCH = 32  # pixels per side of one vision token
+
+def read_source(source, max_bytes: int) -> tuple[bytes | None, Image.Image | None, str]:
+    """An image source's bytes (or the PIL image handed in) and its name, within the byte limit."""
+    if isinstance(source, Image.Image):
+        return None, source, "image"
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        data = bytes(source)
+        name = "upload"
+    elif isinstance(source, (str, Path)):
+        path = Path(source)
+        name = path.name
+        try:
+            size = path.stat().st_size
+        except OSError as exc:
+            raise InvalidImage(f"{name}: cannot read the file ({exc.strerror or exc})") from None
+        if size > max_bytes:
+            raise InvalidImage(f"{name}: file is {size / 1e6:.1f} MB, over the {max_bytes / 1e6:.0f} MB limit")
+        try:
+            data = path.read_bytes()
+        except OSError as exc:
+            raise InvalidImage(f"{name}: cannot read the file ({exc.strerror or exc})") from None
+    elif hasattr(source, "read"):
+        data = source.read(max_bytes + 1)
+        name = getattr(source, "name", "upload")
+    else:
+        raise InvalidImage(f"unsupported image input of type {type(source).__name__}")
+    if len(data) == 0:
+        raise InvalidImage(f"{name}: the file is empty")
+    if len(data) > max_bytes:
+        raise InvalidImage(f"{name}: file is over the {max_bytes / 1e6:.0f} MB limit")
+    return data, None, name
+
+
+def fit_to_budget(width: int, height: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """The (width, height) the model sees: multiples of 32, aspect kept, pixel count within the budget.
+
+    Same rule as Qwen2-VL's smart_resize, so the resized size and the token count agree with the reference processor.
+    """
+    factor = MERGED_PATCH
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return w_bar, h_bar
+
+
+def vision_token_count(resized: tuple[int, int]) -> int:
+    width, height = resized
+    return (width * height) // PIXELS_PER_VISION_TOKEN

@@ -7,13 +7,14 @@ Qwen3-VL's rotary positions have four rows: the plain text position, then the 3D
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 from transformers import DynamicCache
 
-from .preprocess import ImagePatches, PromptTokens
+from ..inputs.preprocess import ImagePatches, PromptTokens
 
 
 @dataclass
@@ -40,8 +41,6 @@ def encode_images_in_pieces(model, patches: ImagePatches, piece_seconds: float):
     returns what encode_images returns: an image admitted beside running answers pauses them a piece at a time, not
     for its whole encode (docs/decisions.md). The blocks are the vision tower's own, in the order of transformers'
     Qwen3VLVisionModel.forward; tests/test_direct_step.py holds the outputs to its to the bit."""
-    import time
-
     from transformers.models.qwen3_vl import modeling_qwen3_vl as qwen
 
     visual, grid_thw = model.model.visual, patches.image_grid_thw
@@ -84,18 +83,6 @@ def next_positions(text_position: int, rope_delta: int, count: int = 1) -> torch
     return torch.cat([text, (text + rope_delta).expand(3, 1, -1)], dim=0)
 
 
-def append_decoded(cache: DynamicCache, keys, values, length: int, empty_dtype: torch.dtype) -> None:
-    """Append to a prefilled `cache` what a decode step kept elsewhere: positions from the cache's own length up to
-    `length` of each layer's (1, kv heads, n, head dim) `keys` and `values`, in the cache's dtype, so that the prefix
-    cache keeps the answer for the conversation's next turn."""
-    for index, (layer, layer_keys, layer_values) in enumerate(zip(cache.layers, keys, values)):
-        start = layer.get_seq_length()
-        if length > start:
-            # A layer still empty (a text prompt the step prefilled) takes `empty_dtype`: what transformers' prefill
-            # would have stored.
-            dtype = layer.keys.dtype if start else empty_dtype
-            cache.update(layer_keys[:, :, start:length].to(dtype, copy=True),
-                         layer_values[:, :, start:length].to(dtype, copy=True), index)
 
 
 def next_token_logits(model, hidden: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .packing import PackedLinear, quantized_engine
+from .system import cpu_flags
 
 KERNEL_DTYPE = torch.bfloat16  # activations of CompactLinear's decode-sized products
 # Above this many rows (prefill) CompactLinear widens its weight and runs one matmul in the compute dtype: the
@@ -66,7 +67,6 @@ class CompactLinear(nn.Module):
 def has_int8_dot_product(flags: frozenset[str] | None = None) -> bool:
     """VNNI (or AMX) adds int8 products in 32 bits; without it fbgemm's AVX2 path adds each pair of u8 x s8
     products in 16 bits (vpmaddubsw), which saturates above 2 x 127 x 128 unless activations keep to 7 bits."""
-    from .system import cpu_flags
 
     return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & (flags if flags is not None else cpu_flags()))
 

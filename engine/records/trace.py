@@ -17,40 +17,15 @@ import time
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from .images import fit_to_budget, vision_token_count
+from ..config import EngineConfig
+from ..inputs.documents import RenderClock
+from ..inputs.limits import fit_to_budget, vision_token_count
 from .metrics import RequestMetrics, current_rss
-from .request import StageStarted
+from .stages import LOAD_IMAGES, REFUSED, RENDER_PAGES, RUNNING
+from ..request import StageStarted
 
 log = logging.getLogger(__name__)
-
-if TYPE_CHECKING:
-    from .config import EngineConfig
-    from .engine import EngineInfo
-    from .scheduler import Job
-    from .store import MetricsStore
-
-# Stage names in the order a request meets them. Every stage is timed apart; their sum never exceeds e2e_s.
-LOAD_IMAGES = "load_images"
-RENDER_PAGES = "render_pages"  # a document's pages rasterized (PDFium), apart from load_images
-UPLOAD = "upload"  # remote engine: sending the request until the server's response begins
-OCR_ENHANCE = "ocr_enhance"
-PREPROCESS = "preprocess"
-VISION_ENCODE = "vision_encode"
-PREFILL = "prefill"
-SERVER_FIRST_TOKEN = "server_first_token"  # remote engine: the server's vision, prefill and first token, as seen
-DECODE = "decode"
-DETOKENIZE = "detokenize"
-STAGES = (LOAD_IMAGES, RENDER_PAGES, UPLOAD, OCR_ENHANCE, PREPROCESS, VISION_ENCODE, PREFILL, SERVER_FIRST_TOKEN, DECODE,
-          DETOKENIZE)
-QUEUE_WAIT = "queue_wait"  # not a stage of the record's `stages`: its own field, shown beside them in charts
-
-# ok; cancelled (by the caller); error; refused (bad input, busy, too long or too big, before any model compute);
-# running: written when the worker starts, replaced when it ends; interrupted: a running record whose server
-# process died (found and relabelled at the next start).
-OK, CANCELLED, ERROR, REFUSED, RUNNING, INTERRUPTED = "ok", "cancelled", "error", "refused", "running", "interrupted"
-STATUSES = (OK, CANCELLED, ERROR, REFUSED, RUNNING, INTERRUPTED)
 
 
 class RequestTrace:
@@ -88,8 +63,6 @@ class RequestTrace:
     def loading_images(self):
         """The load_images stage, with the pages of any document rendered inside it told apart as render_pages:
         yields the clock that times them."""
-        from .documents import RenderClock
-
         clock = RenderClock()
         started = time.perf_counter()
         try:

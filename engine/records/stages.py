@@ -1,0 +1,22 @@
+"""The names of a request's stages and statuses, owned here and imported by every page, chart, exporter and engine."""
+
+# Stage names in the order a request meets them. Every stage is timed apart; their sum never exceeds e2e_s.
+LOAD_IMAGES = "load_images"
+RENDER_PAGES = "render_pages"  # a document's pages rasterized (PDFium), apart from load_images
+UPLOAD = "upload"  # remote engine: sending the request until the server's response begins
+OCR_ENHANCE = "ocr_enhance"
+PREPROCESS = "preprocess"
+VISION_ENCODE = "vision_encode"
+PREFILL = "prefill"
+SERVER_FIRST_TOKEN = "server_first_token"  # remote engine: the server's vision, prefill and first token, as seen
+DECODE = "decode"
+DETOKENIZE = "detokenize"
+STAGES = (LOAD_IMAGES, RENDER_PAGES, UPLOAD, OCR_ENHANCE, PREPROCESS, VISION_ENCODE, PREFILL, SERVER_FIRST_TOKEN, DECODE,
+          DETOKENIZE)
+QUEUE_WAIT = "queue_wait"  # not a stage of the record's `stages`: its own field, shown beside them in charts
+
+# ok; cancelled (by the caller); error; refused (bad input, busy, too long or too big, before any model compute);
+# running: written when the worker starts, replaced when it ends; interrupted: a running record whose server
+# process died (found and relabelled at the next start).
+OK, CANCELLED, ERROR, REFUSED, RUNNING, INTERRUPTED = "ok", "cancelled", "error", "refused", "running", "interrupted"
+STATUSES = (OK, CANCELLED, ERROR, REFUSED, RUNNING, INTERRUPTED)
