@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from engine import compute
+from engine.core import compute
 from engine.config import PROJECT_DIR, SKELETON_DIR, EngineConfig
 from engine.environment import shared_dir
 from engine.client import Engine

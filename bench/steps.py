@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 import torch
 from transformers import DynamicCache
 
-from engine import compute
+from engine.core import compute
 from engine.config import DTYPES, EngineConfig
 from engine.client import Engine
 from engine.model.generate import next_positions

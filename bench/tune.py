@@ -20,7 +20,8 @@ import torch
 from transformers import DynamicCache, StaticCache
 
 from engine.config import DTYPES, EngineConfig
-from engine.model.generate import decode_one_token, encode_images, prefill, sample
+from engine.core.sampling import sample
+from engine.model.generate import decode_one_token, encode_images, prefill
 from engine.inputs.limits import fit_to_budget
 from engine.model.loading import LoadedModel, load_model
 from engine.inputs.preprocess import single_image_inputs

@@ -3,9 +3,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 
+from .client import Engine
 from .config import COMPUTE_DTYPES, DTYPES, SKELETON_DIR, EngineConfig
+from .errors import VlscopeError
+from .inputs.images import check_image
+from .records.metrics import RequestMetrics
+from .request import ChatRequest, TextChunk
 
 
 def _progress(fraction: float, message: str) -> None:
@@ -34,11 +40,6 @@ def _stage_table(metrics) -> str:
 
 
 def cmd_ask(args) -> int:
-    from .client import Engine
-    from .errors import VlscopeError
-    from .records.metrics import RequestMetrics
-    from .request import ChatRequest, TextChunk
-
     try:
         config = EngineConfig.from_env(
             model=args.model, dtype=args.dtype, compute_dtype=args.compute_dtype, threads=args.threads,
@@ -77,8 +78,6 @@ def cmd_ask(args) -> int:
 
 
 def cmd_check_images(args) -> int:
-    from .inputs.images import check_image
-
     config = EngineConfig.from_env()
     all_ok = True
     for name in args.files:
@@ -89,7 +88,7 @@ def cmd_check_images(args) -> int:
 
 
 def cmd_make_tiny(args) -> int:
-    from .model.tiny import make_tiny
+    from .model.tiny import make_tiny  # builds a model: only this command imports torch
 
     path = make_tiny(args.skeleton, args.outdir)
     print(path)
@@ -136,8 +135,6 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["bench"]:
         # The measuring tools sit beside the engine (bench/) and use it as any caller would; this name only hands
         # the rest of the command line over to them, in a process of their own.
-        import subprocess
-
         return subprocess.call([sys.executable, "-m", "bench", *argv[1:]])
     args = parser.parse_args(argv)
     return args.run(args)

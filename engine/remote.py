@@ -11,12 +11,12 @@ import math
 import re
 import threading
 import time
-import uuid
 
 import httpx
 
 from .config import EngineConfig
-from .client import EngineInfo, RequestHandle, StreamingMixin
+from .client import RequestHandle, StreamingMixin, take_in
+from .core.request_state import RequestState
 from .errors import (
     Busy,
     GenerationFailed,
@@ -25,12 +25,9 @@ from .errors import (
     PromptTooLong,
     VlscopeError,
 )
-from .inputs.documents import expand_documents
-from .inputs.limits import check_size
-from .inputs.images import load_request_images
 from .records.metrics import current_rss
 from .request import ChatRequest, TextChunk
-from .core.scheduler import Job
+from .records.info import EngineInfo
 from .records.store import MetricsStore, open_store
 from .records.stages import CANCELLED, DECODE, ERROR, OK, REFUSED, SERVER_FIRST_TOKEN, UPLOAD
 from .records.trace import RequestTrace
@@ -81,21 +78,17 @@ class RemoteEngine(StreamingMixin):
         return self.config.max_queue + 1
 
     def submit(self, request: ChatRequest) -> RequestHandle:
-        job = Job(uuid.uuid4().hex, request)
-        job.trace = trace = RequestTrace(job, self.info, self.config, self.store)
+        state = RequestState(request, self.info, self.config, self.store)
+        take_in(state, self.config, self._check_room)
         try:
-            check_size(request, self.config)
-            with trace.loading_images() as clock:
-                job.request = request = expand_documents(request, self.config)
-                job.images = load_request_images(request, self.config, admit=self._check_room, clock=clock)
             with self._lock:
                 self._check_room()
                 self._in_flight += 1
-        except (InvalidImage, PromptTooLong, Busy) as exc:
-            trace.finish(REFUSED, exc)
+        except Busy as exc:
+            state.trace.finish(REFUSED, exc)
             raise
-        threading.Thread(target=self._run, args=(job,), name="vlscope-remote", daemon=True).start()
-        return RequestHandle(job)
+        threading.Thread(target=self._run, args=(state,), name="vlscope-remote", daemon=True).start()
+        return RequestHandle(state)
 
     def close(self) -> None:
         self._client.close()
@@ -108,7 +101,7 @@ class RemoteEngine(StreamingMixin):
 
     # ---- internals ----------------------------------------------------------------------------------------------
 
-    def _messages(self, job: Job) -> list[dict]:
+    def _messages(self, job: RequestState) -> list[dict]:
         images = iter(job.images)
 
         def content(text: str, count: int):
@@ -126,7 +119,7 @@ class RemoteEngine(StreamingMixin):
         messages = [{"role": t.role, "content": content(t.text, len(t.images))} for t in request.history]
         return messages + [{"role": "user", "content": content(request.prompt, len(request.images))}]
 
-    def _run(self, job: Job) -> None:
+    def _run(self, job: RequestState) -> None:
         trace = job.trace
         trace.start()
         error: VlscopeError | None = None
@@ -176,7 +169,7 @@ class RemoteEngine(StreamingMixin):
             trace.server_metrics = None
             trace.finish(ERROR, error or GenerationFailed("the remote server's answer could not be recorded"))
 
-    def _read_stream(self, job: Job, trace: RequestTrace, response) -> str:
+    def _read_stream(self, job: RequestState, trace: RequestTrace, response) -> str:
         started = time.perf_counter()
         chunk_times: list[float] = []
         dropped: list[str] = []
@@ -187,7 +180,7 @@ class RemoteEngine(StreamingMixin):
                 log.warning("request %s: dropped from the remote server's answer: %s", job.id, "; ".join(dropped[:5]))
                 trace.server_metrics = dict(trace.server_metrics or {}, dropped=sorted(set(dropped))[:10])
 
-    def _read_lines(self, job: Job, trace: RequestTrace, response, started: float, chunk_times: list[float],
+    def _read_lines(self, job: RequestState, trace: RequestTrace, response, started: float, chunk_times: list[float],
                     dropped: list[str]) -> str:
         for line in response.iter_lines():
             if job.cancelled.is_set():

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Iterator, Protocol
 
 from .config import EngineConfig
-from .client import Answer, EngineInfo, Event, RequestHandle
+from .client import Answer, Event, RequestHandle
+from .records.info import EngineInfo
 from .request import ChatRequest
 
 

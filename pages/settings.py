@@ -6,6 +6,8 @@ from engine.config import COMPILE_MODES, COMPUTE_DTYPES
 from ui.access import admin_sign_in, is_admin
 from server.slot import apply_settings, current_settings
 
+VISION_TOKEN_BUDGETS = (64, 128, 256, 512, 768, 1024, 1536, 2048, 4096)  # the slider's stops
+
 st.title("Settings")
 current = current_settings()
 if not is_admin():
@@ -32,9 +34,9 @@ with st.form("settings_form"):
              "where PyTorch lacks fbgemm's float16 products, which decode as fast with no compile; 1-2 minutes at "
              "each load). on: always try (float32: a second copy of the weights in memory). off: eager decode. "
              "A failed compile falls back to eager.")
-    max_tokens = left.select_slider("Max vision tokens per image", [64, 128, 256, 512, 768, 1024, 1536, 2048, 4096],
+    max_tokens = left.select_slider("Max vision tokens per image", VISION_TOKEN_BUDGETS,
                                     value=current.max_vision_tokens if current.max_vision_tokens in
-                                    (64, 128, 256, 512, 768, 1024, 1536, 2048, 4096) else 1024, key="set_budget")
+                                    VISION_TOKEN_BUDGETS else 1024, key="set_budget")
     max_new = right.number_input("Max new tokens", 1, 8192, current.max_new_tokens, key="set_max_new")
     temperature = left.slider("Temperature (0 = greedy)", 0.0, 2.0, current.temperature, 0.05, key="set_temperature")
     top_p = right.slider("Top-p", 0.05, 1.0, current.top_p, 0.05, key="set_top_p")

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import streamlit as st
 
-from engine import SKELETON_DIR, Engine, EngineConfig, MetricsStore, ModelUnavailable
+from engine import SKELETON_DIR, Engine, EngineConfig, MetricsStore, ModelUnavailable, open_store
 from engine.config import ServerSettings, Settings, load_settings
-from engine.records.store import open_store
+
 from engine.model.loading import looks_like_hub_id
 from engine.remote import RemoteEngine
 

@@ -161,7 +161,7 @@ def test_measurements_called_from_another_thread_run_on_the_compute_thread():
     does see a team started on the main thread."""
     code = (
         "import os, torch\n"
-        "from engine import compute\n"
+        "from engine.core import compute\n"
         "from bench.advisor import advise\n"
         "from bench.harness import measure_ceilings\n"
         "threads = lambda: len(os.listdir('/proc/self/task'))\n"

@@ -1,8 +1,11 @@
-"""The code's shape, checked: the engine imports nothing above it, and settings are read in one module only."""
+"""The code's shape, checked: the engine imports nothing above it, its parts stand in layers without a cycle, and
+settings are read in one module only."""
 from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 
 from streamlit.testing.v1 import AppTest
 
@@ -123,3 +126,111 @@ def test_the_app_reads_its_settings_from_st_secrets(tiny_model, tmp_path, monkey
         assert at.number_input(key="set_max_new").value == 7
     finally:
         shutdown()
+
+
+# The engine's parts, lowest first: a part imports its own modules and those of parts below it, never one above.
+# The face (engine/*.py) imports any part; a part imports of the face only its leaves, which import no part.
+ENGINE_PARTS = ("inputs", "records", "kernels", "model", "core")
+FACE_LEAVES = {"engine.config", "engine.environment", "engine.errors", "engine.request"}
+
+
+def _engine_module(path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _engine_imports(path) -> set[str]:
+    """Every engine module `path` imports, at the top, inside functions or under TYPE_CHECKING alike."""
+    module = _engine_module(path)
+    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = package[:len(package) - node.level + 1] if node.level else []
+            name = ".".join(base + ([node.module] if node.module else []))
+            candidates = [name] + [f"{name}.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.Import):
+            candidates = [alias.name for alias in node.names]
+        else:
+            continue
+        for candidate in candidates:
+            file = ROOT / candidate.replace(".", "/")
+            if candidate.split(".")[0] == "engine" and (file.with_suffix(".py").is_file() or (file / "__init__.py").is_file()):
+                found.add(candidate)
+    return found - {module}
+
+
+def _engine_graph() -> dict[str, set[str]]:
+    return {_engine_module(path): _engine_imports(path) for path in _python_files("engine")}
+
+
+def test_the_engine_has_no_import_cycle():
+    graph = _engine_graph()
+    for start in graph:
+        seen, frontier = set(), list(graph[start])
+        while frontier:
+            module = frontier.pop()
+            assert module != start, f"{start} reaches itself through its imports"
+            if module not in seen:
+                seen.add(module)
+                frontier.extend(graph.get(module, ()))
+
+
+def _part(module: str) -> str | None:
+    name = module.split(".")
+    return name[1] if len(name) > 2 or (len(name) == 2 and name[1] in ENGINE_PARTS) else None
+
+
+def test_no_part_of_the_engine_imports_one_above_it():
+    graph = _engine_graph()
+    assert {_part(module) for module in graph} - {None} == set(ENGINE_PARTS)
+    for module, imported in graph.items():
+        part = _part(module)
+        for name in imported:
+            if part is None and module not in FACE_LEAVES:
+                continue  # the face: the client, remote engine, protocol and command line use every part
+            target = _part(name)
+            if target is None:
+                assert name in FACE_LEAVES and not {_part(n) for n in graph[name]} - {None}, f"{module} imports {name}"
+            else:
+                assert part is not None and ENGINE_PARTS.index(target) <= ENGINE_PARTS.index(part), \
+                    f"{module} imports {name}, a part above it"
+
+
+def test_every_part_says_in_one_line_what_it_is():
+    for part in ENGINE_PARTS:
+        tree = ast.parse((ROOT / "engine" / part / "__init__.py").read_text())
+        docstring = ast.get_docstring(tree)
+        assert docstring and "\n" not in docstring and len(tree.body) == 1, part
+
+
+def test_the_client_imports_no_torch():
+    """The engine's face, its client, the remote engine and the protocol start without torch or transformers: the
+    command line's help, a remote backend and the API's light paths pay for neither."""
+    script = ("import sys, engine, engine.client, engine.remote, engine.serving, engine.__main__; "
+              "print(sorted(name for name in ('torch', 'transformers') if name in sys.modules))")
+    run = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[]"
+
+
+def _calls(path, name: str) -> bool:
+    return any(isinstance(node, ast.Call) and ast.unparse(node.func).split(".")[-1] == name
+               for node in ast.walk(ast.parse(path.read_text())))
+
+
+def test_one_module_chooses_the_decode_backend():
+    for name in ("DirectDecodeStep", "compile_step", "pack_remaining_linears"):
+        callers = {str(path.relative_to(ROOT)) for path in _python_files("engine") if _calls(path, name)}
+        allowed = {"engine/model/decode_backend.py"} | ({"engine/model/loading.py"} if name == "pack_remaining_linears"
+                                                        else set())  # loading packs the vision tower alone
+        assert callers <= allowed and "engine/model/decode_backend.py" in callers, (name, callers)
+
+
+def test_no_stop_iteration_drives_the_engine_and_no_class_is_over_300_lines():
+    for path in _python_files("engine"):
+        tree = ast.parse(path.read_text())
+        assert "StopIteration" not in path.read_text(), path
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                assert node.end_lineno - node.lineno < 300, f"{path.relative_to(ROOT)}: {node.name}"

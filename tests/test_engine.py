@@ -11,7 +11,8 @@ from PIL import Image
 from engine import (Busy, ChatRequest, Engine, EngineConfig, InvalidImage, MetricsStore, ModelUnavailable,
                     PromptTooLong, Queued, RequestMetrics, StageStarted, TextChunk, Turn)
 from engine.kernels.decode_attention import best as best_attention
-from engine.model.generate import Sampler, decode_one_token, encode_images, prefill
+from engine.core.sampling import Sampler
+from engine.model.generate import decode_one_token, encode_images, prefill
 from engine.inputs.images import load_image
 from engine.inputs.limits import fit_to_budget
 from engine.records.metrics import PeakRss
@@ -502,7 +503,7 @@ def test_compact_weights_with_float32_compute_track_the_float32_model(make_engin
 
 @pytest.mark.parametrize("bf16_faster", [True, False])
 def test_auto_compute_dtype_follows_the_measured_probe(make_engine, monkeypatch, bf16_faster):
-    monkeypatch.setattr("engine.model_loading.bfloat16_matmul_is_faster", lambda threads: bf16_faster)
+    monkeypatch.setattr("engine.model.loading.bfloat16_matmul_is_faster", lambda threads: bf16_faster)
     expected = "bfloat16" if bf16_faster else "float32"
     engine = make_engine(dtype="bfloat16")
     assert engine.info.compute_dtype == expected
@@ -632,7 +633,7 @@ def test_stored_content_is_owner_only(make_engine, images_dir, tmp_path):
 
 
 def test_compute_thread_runs_everything_on_one_thread_and_relays_progress():
-    from engine import compute
+    from engine.core import compute
 
     caller = threading.get_ident()
     first, second = compute.run(threading.get_ident), compute.run(threading.get_ident)
@@ -736,7 +737,7 @@ def test_a_closed_engine_frees_its_model(tiny_model, tmp_path, images_dir, compi
                                  compile=compile_mode))
     engine.ask(ChatRequest(prompt="Describe", images=(images_dir / "chelsea.png",), max_new_tokens=2))
     model = weakref.ref(engine.loaded.model)
-    assert engine._decode_step.compiled == (compile_mode == "on")
+    assert engine.decode_step.compiled == (compile_mode == "on")
     engine.close()
     del engine
     gc.collect()
@@ -835,7 +836,7 @@ def test_a_request_that_fits_only_alone_waits_for_the_running_answers(make_engin
     running = engine.submit(requests[0])
     running_events = running.events()
     first_text(running_events)
-    with caplog.at_level("INFO", logger="engine.client"):
+    with caplog.at_level("INFO", logger="engine.core.admission"):
         waiting = engine.submit(requests[1])
         (text, metrics), = [engine_answer(waiting)]
     finished = [e for e in running_events if isinstance(e, RequestMetrics)][0]
@@ -870,8 +871,8 @@ def test_follow_ups_from_the_prefix_cache_decode_in_a_batch_as_alone(make_engine
 def test_a_prefill_in_chunks_is_the_prefill_in_one_piece(tiny_model, images_dir):
     """Chunks of a picture's prompt, each with its slice of the vision tokens (two images, so a chunk holds the end
     of one and the start of the next), give the one-piece prefill's next token and, within float32 rounding, its
-    logits and cache; the generator yields between chunks."""
-    from engine.model.generate import prefill_in_pieces
+    logits and cache; the prefill pauses between chunks."""
+    from engine.model.generate import ChunkedPrefill
     from engine.inputs.preprocess import image_grids
 
     loaded = load_model(EngineConfig(model=str(tiny_model), compile="off", warmup=False))
@@ -882,17 +883,12 @@ def test_a_prefill_in_chunks_is_the_prefill_in_one_piece(tiny_model, images_dir)
     with torch.inference_mode():
         vision = encode_images(loaded.model, patchify_images(loaded.image_processor, pictures, sizes))
         whole_logits, whole = prefill(loaded.model, prompt, vision, image_grids(sizes), True)
-        pieces = prefill_in_pieces(loaded.model, prompt, vision, image_grids(sizes), True, chunk=16)
-        yields = 0
-        while True:
-            try:
-                next(pieces)
-                yields += 1
-            except StopIteration as done:
-                logits, state = done.value
-                break
+        chunked, pauses = ChunkedPrefill(loaded.model, prompt, vision, image_grids(sizes), True), 0
+        while not chunked.run(16):
+            pauses += 1
+        logits, state = chunked.logits, chunked.state
     length = prompt.input_ids.shape[1]
-    assert yields == (length + 15) // 16 - 1 >= 3
+    assert pauses == (length + 15) // 16 - 1 >= 3
     assert int(logits.argmax()) == int(whole_logits.argmax())
     torch.testing.assert_close(logits, whole_logits, atol=1e-4, rtol=1e-4)
     for got, want in zip(state.cache.layers, whole.cache.layers):
@@ -904,7 +900,7 @@ def test_a_newcomers_prefill_beside_running_answers_goes_in_pieces(make_engine, 
     """Admitted beside a running answer, a picture's prefill runs a chunk at a time, the running answer taking a
     step after each (so a long prompt never pauses it for the whole prefill), and the newcomer's answer is the one
     it gets alone."""
-    import engine.client as engine_module
+    import engine.core.admission as engine_module
 
     monkeypatch.setattr(engine_module, "FIRST_PREFILL_CHUNK", 8)
     monkeypatch.setattr(engine_module, "PREFILL_PIECE_SECONDS", 0.0)  # every chunk after the first: the least, 8
@@ -928,7 +924,7 @@ def test_a_newcomers_prefill_beside_running_answers_goes_in_pieces(make_engine, 
 
 
 def test_prefill_chunks_are_sized_to_take_the_piece_time_at_the_last_chunks_rate():
-    from engine.client import chunk_for
+    from engine.core.admission import chunk_for
 
     assert chunk_for(32, 0.78, 0.9) == 32  # float32 here: 41 tokens a second
     assert chunk_for(32, 0.22, 0.9) == 128  # int8 here: 145 tokens a second

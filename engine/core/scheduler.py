@@ -1,89 +1,56 @@
-"""Which requests run: a bounded FIFO of waiting jobs and a batch of running sequences, served by one worker thread
-that alternates between admitting a newcomer and advancing the batch by one decode step.
+"""Which requests run: a bounded FIFO of waiting requests and a batch of decoding ones. The scheduler only plans;
+the engine core carries each plan out and reports back what it admitted and what ended.
 
 Decode reads every weight once per step whatever the number of rows, so a step for four sequences costs little more
 than a step for one: running requests share steps instead of waiting for each other's whole answers. A newcomer is
-admitted between two steps, one at a time, so a running stream pauses for one prefill at most.
+admitted between two steps, a piece at a time, so a running stream pauses for one piece at most.
 """
 from __future__ import annotations
 
-import logging
-import queue
 import threading
-import time
 from collections import deque
-from typing import Callable, Generic, TypeVar
+from dataclasses import dataclass
+from typing import Callable
 
 from ..errors import Busy
-from ..request import ChatRequest, Queued
-
-log = logging.getLogger(__name__)
+from .request_state import RequestState
 
 
-class Job:
-    """A request on its way through the queue. The worker writes events to `events`; the caller reads them."""
+@dataclass(frozen=True)
+class Plan:
+    """One turn of the engine loop: the next piece of `admit`'s admission (if any), then one decode step of `step`."""
 
-    def __init__(self, request_id: str, request: ChatRequest):
-        self.id = request_id
-        self.request = request
-        self.submitted_at = time.time()
-        self.submitted_perf = time.perf_counter()
-        self.enqueued_perf = self.submitted_perf  # set again when it enters the queue, after its images are checked
-        self.trace = None  # its RequestTrace, set by the engine that takes it
-        self.images: list = []  # LoadedImage, in conversation order
-        self.events: queue.Queue = queue.Queue()
-        self.cancelled = threading.Event()
-        self.finished = threading.Event()  # its final record is posted: it no longer counts as running
-        self.on_cancel: Callable[["Job"], None] | None = None
-        self._last_position: int | None = None
-        self.waiting_for_memory = False  # admitted, waiting for the running answers to leave it room
+    admit: RequestState | None
+    step: tuple[RequestState, ...]
 
-    def cancel(self) -> None:
-        if not self.cancelled.is_set():
-            self.cancelled.set()
-            if self.on_cancel is not None:
-                self.on_cancel(self)
-
-    def tell_position(self, position: int) -> None:
-        if position != self._last_position:
-            self._last_position = position
-            self.events.put(Queued(position))
+    @property
+    def empty(self) -> bool:
+        return self.admit is None and not self.step
 
 
-S = TypeVar("S")  # a running sequence, as the engine keeps it
+class Scheduler:
+    """Written by callers' threads (submit, withdraw) and by the engine loop (plan, update); `batch_limit()` is read
+    before each admission."""
 
-
-class Scheduler(Generic[S]):
-    """begin(job) starts a job's admission; admit(admission, running) runs its next piece (preprocess and encode,
-    prefill and first token) while the running sequences wait, after which `admission.done` tells whether it is over
-    and `admission.sequence` holds the sequence that goes on decoding (None when the job already ended);
-    step(sequences) advances every running sequence by one token and returns those that ended. All three are the
-    engine's, called from this scheduler's worker thread, which alternates one admission piece and one step.
-    `batch_limit()` is read before each admission."""
-
-    def __init__(self, begin: Callable[[Job], object], admit: Callable[[object, list[S]], None],
-                 step: Callable[[list[S]], list[S]], max_waiting: int, batch_limit: Callable[[], int]):
-        self._begin, self._admit, self._step, self.batch_limit = begin, admit, step, batch_limit
-        self.max_waiting = max_waiting
-        self._waiting: deque[Job] = deque()
-        self._running: list[S] = []
-        self._admitting = None  # the admission under way: its pieces alternate with decode steps
+    def __init__(self, max_waiting: int, batch_limit: Callable[[], int]):
+        self.max_waiting, self.batch_limit = max_waiting, batch_limit
+        self._waiting: deque[RequestState] = deque()
+        self._running: list[RequestState] = []
+        self._admitting: RequestState | None = None  # its pieces alternate with decode steps
         self._condition = threading.Condition()
         self._closed = False
-        self._worker = threading.Thread(target=self._serve, name="vlscope-worker", daemon=True)
-        self._worker.start()
 
     @property
     def depth(self) -> int:
         """Requests waiting plus those running (a request whose record is posted no longer counts)."""
         with self._condition:
-            admitting = self._admitting is not None and not self._admitting.job.finished.is_set()
+            admitting = self._admitting is not None and not self._admitting.finished.is_set()
             return len(self._waiting) + self.running + admitting
 
     @property
     def running(self) -> int:
-        """Sequences decoding (each has a `job`)."""
-        return sum(not sequence.job.finished.is_set() for sequence in list(self._running))
+        """Requests decoding."""
+        return sum(not state.finished.is_set() for state in list(self._running))
 
     def _busy_slots(self) -> int:
         return len(self._running) + (self._admitting is not None)
@@ -103,75 +70,70 @@ class Scheduler(Generic[S]):
                     f"queue holds {self.max_waiting}. Try again in a moment."
                 )
 
-    def submit(self, job: Job) -> None:
+    def submit(self, state: RequestState) -> None:
         with self._condition:
             self.check_room()  # again: another request may have taken the room while this one's images decoded
-            job.enqueued_perf = time.perf_counter()
-            self._waiting.append(job)
+            self._waiting.append(state)
             self._tell_positions()
             self._condition.notify_all()
 
-    def withdraw(self, job: Job) -> bool:
-        """Take a job out before it runs. False if it already started (the worker then sees job.cancelled)."""
+    def withdraw(self, state: RequestState) -> bool:
+        """Take a request out before it runs. False if it already started (the core then sees it cancelled)."""
         with self._condition:
             try:
-                self._waiting.remove(job)
+                self._waiting.remove(state)
             except ValueError:
                 return False
             self._tell_positions()
             return True
 
+    def wait_for_work(self) -> bool:
+        """Block until there is something to plan; False once closed with nothing left running."""
+        with self._condition:
+            while not self._closed and not self._running and not self._waiting and self._admitting is None:
+                self._condition.wait()
+            return not (self._closed and not self._running and self._admitting is None)
+
+    def plan(self) -> Plan:
+        """The next turn: a waiting request starts its admission when the batch has room, one at a time."""
+        with self._condition:
+            if self._admitting is None and self._waiting and not self._full() and not self._closed:
+                self._admitting = self._waiting.popleft()
+                self._tell_positions()
+            return Plan(self._admitting, tuple(self._running))
+
+    def update(self, plan: Plan, admitted: bool, ended: list[RequestState]) -> None:
+        """What the core did with `plan`: whether its admission is over (the request then decodes, unless it already
+        ended), and which requests ended."""
+        with self._condition:
+            if plan.admit is not None and admitted:
+                self._admitting = None
+                if plan.admit not in ended:
+                    self._running.append(plan.admit)
+            self._running = [state for state in self._running if state not in ended]
+            self._tell_positions()
+
+    def drop_all(self) -> None:
+        """Forget the admission and the batch after a step failed outside the core's own handling: the loop goes
+        on with the waiting requests rather than retry the failing ones forever."""
+        with self._condition:
+            self._admitting, self._running = None, []
+            self._tell_positions()
+
     def _tell_positions(self) -> None:
         """Position 0 is admitted next, as soon as the batch has room; 1 and more count those ahead in the line,
         plus one when the batch is full (a running answer must end first)."""
         ahead = int(self._full())
-        for index, job in enumerate(self._waiting):
-            job.tell_position(ahead + index)
+        for index, state in enumerate(self._waiting):
+            state.tell_position(ahead + index)
 
-    def _serve(self) -> None:
-        while True:
-            with self._condition:
-                while not self._closed and not self._running and not self._waiting and self._admitting is None:
-                    self._condition.wait()
-                if self._closed and not self._running and self._admitting is None:
-                    return
-                if self._admitting is None and self._waiting and not self._full() and not self._closed:
-                    _, self._admitting = self._guarded(self._begin, self._waiting.popleft())
-                    self._tell_positions()
-                admission, running = self._admitting, list(self._running)
-            if admission is not None:
-                ok, _ = self._guarded(self._admit, admission, running)
-                with self._condition:
-                    if admission.done or not ok:
-                        self._admitting = None
-                        if admission.sequence is not None and ok:
-                            self._running.append(admission.sequence)
-                        self._tell_positions()
-            if running:
-                # A step that failed outside the engine's own handling drops its sequences rather than retry forever.
-                ok, ended = self._guarded(self._step, running)
-                with self._condition:
-                    ended = ended if ok else running
-                    self._running = [sequence for sequence in self._running if sequence not in ended]
-                    self._tell_positions()
-
-    def _guarded(self, call, *arguments) -> tuple[bool, object]:
-        """(True, what call returned), or (False, None) when it raised: the worker must outlive any request."""
-        try:
-            return True, call(*arguments)
-        except BaseException:
-            log.exception("the scheduler's %s failed outside its own error handling", getattr(call, "__name__", call))
-            return False, None
-
-    def close(self, timeout_s: float = 30.0) -> None:
+    def close(self) -> None:
         """Stop taking requests; waiting ones are left to their callers' cancel, running ones are cancelled (their
-        records end within a step). Joins the worker so that nothing keeps the engine (and its weights) alive."""
+        records end within a step)."""
         with self._condition:
             self._closed = True
-            for sequence in self._running:
-                sequence.job.cancel()
+            for state in self._running:
+                state.cancel()
             if self._admitting is not None:
-                self._admitting.job.cancel()
+                self._admitting.cancel()
             self._condition.notify_all()
-        if threading.current_thread() is not self._worker:
-            self._worker.join(timeout_s)

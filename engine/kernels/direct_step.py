@@ -288,8 +288,8 @@ class DirectDecodeStep:
 def release_compiled_code() -> None:
     """Free every compiled graph of the process and the weights frozen into them. Dynamo keeps compiled code in a
     cache of its own, keyed by code object; inductor registers the Python module it generates per graph in
-    sys.modules, and that module's globals hold the frozen (and CPP GEMM-packed) weights: 4.4 GB of the full-size
-    bfloat16 model stayed after close without this, and an int8 engine loaded next decoded slower beside it."""
+    sys.modules, and that module's globals hold the frozen (and CPP GEMM-packed) weights: without this they stay after
+    close, and an engine loaded next decodes slower beside them (docs/decisions.md, "Compile policy")."""
     torch._dynamo.reset()
     from torch._inductor.codecache import PyCodeCache
 

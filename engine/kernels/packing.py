@@ -179,3 +179,18 @@ def pack_linears_(model: nn.Module, dtype: torch.dtype, one_row_fp16: bool = Fal
                                                    rows=rows if decodes else 1))
                 swapped += 1
     return swapped
+
+
+def pack_remaining_linears(model, compute_dtype: str, progress=None, rows: int = 1) -> list[str]:
+    """oneDNN-packed kernels for every plain Linear left in `model` (the default kernels), decode's laid out for
+    `rows` rows (packing.decode_rows). Returns why not, where this CPU or build cannot pack them: they then run on
+    PyTorch's stock kernels."""
+    wide = torch.float32 if compute_dtype == "float32" else torch.bfloat16
+    if not packing_works(wide):
+        return [packing_unavailable(wide)]
+    one_row_fp16 = keeps_fp16_copy(compute_dtype)
+    if progress is not None:
+        progress(0.92, "Packing bfloat16 weights for oneDNN (prefill) and as float16 for fbgemm (decode)"
+                 if one_row_fp16 else f"Packing {compute_dtype} weights for oneDNN's kernels")
+    pack_linears_(model, wide, one_row_fp16, rows)
+    return []  # the plain weights they replace are freed: the caller hands the memory back (release_freed_memory)

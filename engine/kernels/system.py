@@ -148,7 +148,7 @@ def advice_for(report: SystemReport) -> list[str]:
 
 
 # Shapes of Qwen3-VL-2B's language model: an MLP projection, a prefill-sized block of rows and one decode token.
-# Kept small enough to finish in seconds where bfloat16 is emulated (about 0.5 s per 256-row product there).
+# Kept small enough to finish in seconds where bfloat16 is emulated.
 HIDDEN, INTERMEDIATE, PREFILL_ROWS = 2048, 6144, 128
 
 

@@ -1,4 +1,6 @@
-"""Whether decode runs compiled: the direct step (engine/direct_step.py) compiled by segment, or eager.
+"""The one place that chooses how decode runs and prepares its weights: the direct step (kernels/direct_step.py)
+compiled by segment, the direct step eager on packed weights, or transformers' own forward (plain kernels, or no
+KV cache).
 
 Prefill stays eager (its shapes change with every prompt). Each of the direct step's segments is compiled with
 inductor, weights frozen as constants, so it picks per Linear shape between its CPP GEMM templates and oneDNN's
@@ -19,9 +21,12 @@ from pathlib import Path
 import torch
 
 from ..kernels.direct_step import DirectDecodeStep
+from ..kernels.decode_attention import best as best_attention
+from ..kernels.packing import decode_rows, keeps_fp16_copy, pack_remaining_linears
 from .generate import attach_step, decode_one_token, prefill
+from .loading import decode_weight_bytes, weight_bytes
+from .memory_pages import release_freed_memory
 from ..inputs.preprocess import chat_messages, tokenize_prompt
-from ..kernels.packing import keeps_fp16_copy
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +36,7 @@ COMPILE_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_ba
 
 def compiles_when_auto(dtype: str, compute_dtype: str, kernels: str) -> bool:
     """Whether VLSCOPE_COMPILE=auto compiles the decode step: only bfloat16 computing in bfloat16, and only where
-    packing leaves it without fbgemm's float16 copy (engine/packing.py, fp16_packed): one-row products on it read
+    packing leaves it without fbgemm's float16 copy (engine/kernels/packing.py, fp16_packed): one-row products on it read
     the weights faster than the compiled step's oneDNN products, with no compile at load."""
     return (dtype == "bfloat16" and compute_dtype == "bfloat16"
             and not (kernels == "packed" and keeps_fp16_copy(compute_dtype)))
@@ -62,7 +67,7 @@ def _steps_ms(model, prompt, step: DirectDecodeStep, count: int) -> tuple[float,
     return 1000 * sum(half) / len(half), tokens
 
 
-def prepare(loaded, mode: str, kernels: str, cache_dir: Path, progress=None) -> tuple[DirectDecodeStep | None, str]:
+def compile_step(loaded, mode: str, kernels: str, cache_dir: Path, progress=None) -> tuple[DirectDecodeStep | None, str]:
     """Compile the decode step (mode "on"), or compile and keep it only where it measures faster ("auto").
 
     Returns the compiled step or None, and one line saying what was decided and why. A compiler failure falls back
@@ -73,11 +78,11 @@ def prepare(loaded, mode: str, kernels: str, cache_dir: Path, progress=None) -> 
     if mode == "off":
         return None, "eager decode (compilation off)"
     if mode == "auto" and not compiles_when_auto(loaded.dtype, loaded.compute_dtype, kernels):
-        if getattr(loaded.model.lm_head, "one_row_dtype", None) is not None:
+        if kernels == "packed" and keeps_fp16_copy(loaded.compute_dtype):  # packed below, after this choice
             return None, ("eager decode: bfloat16 decodes on fbgemm's float16 copy of the weights, as fast as "
-                          "compiled with no compile (engine/packing.py, fp16_packed); VLSCOPE_COMPILE=on forces it")
+                          "compiled with no compile (engine/kernels/packing.py, fp16_packed); VLSCOPE_COMPILE=on forces it")
         return None, (f"eager decode: {loaded.dtype} weights with {loaded.compute_dtype} compute decode no faster "
-                      "compiled, or do not fit twice in memory (engine/decode_step.py); VLSCOPE_COMPILE=on forces it")
+                      "compiled, or do not fit twice in memory (engine/model/decode_backend.py); VLSCOPE_COMPILE=on forces it")
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir))
     model = loaded.model
     messages = chat_messages([], "Describe what a compiled decode step is in a few words.", [0])
@@ -90,7 +95,7 @@ def prepare(loaded, mode: str, kernels: str, cache_dir: Path, progress=None) -> 
         while not done.wait(1.0):
             report(0.9 + 0.06 * segments[0] / max(segments[1], 1),
                    f"Compiling the decode step: {segments[0]} of {segments[1] or '?'} segments, "
-                   f"{time.perf_counter() - started:.0f} s (1-2 minutes at each load on this machine)")
+                   f"{time.perf_counter() - started:.0f} s")
 
     def compiled_one(count: int, total: int) -> None:
         segments[:] = [count, total]
@@ -125,3 +130,29 @@ def prepare(loaded, mode: str, kernels: str, cache_dir: Path, progress=None) -> 
         step.release()
         return None, f"eager decode: {reason}"
     return step, f"compiled decode step ({figures})"
+
+
+def prepare(loaded, config, progress=None) -> tuple[DirectDecodeStep | None, str, tuple[str, ...]]:
+    """How this engine decodes: the compiled direct step, the eager direct step on weights packed here, or None
+    (transformers' forward: no KV cache, or plain kernels). Returns it, the line that says which and why, and the
+    lines of kernels this CPU cannot serve. Loading packed only the vision tower: the language model's weights
+    are packed here, unless the compiled step keeps its own frozen copy of them."""
+    step, note = None, "eager decode (no KV cache)"
+    if config.kv_cache:
+        step, note = compile_step(loaded, config.compile, config.kernels, Path(config.db_path).parent / "inductor",
+                                  progress)
+    notes: list[str] = []
+    if step is None and config.kernels == "packed":
+        notes = [line for line in pack_remaining_linears(loaded.model, loaded.compute_dtype, progress,
+                                                         decode_rows(config.max_batch, config.kv_cache))
+                 if line not in loaded.notes]
+        release_freed_memory()
+        loaded.weight_bytes, loaded.decode_weight_bytes = weight_bytes(loaded.model), decode_weight_bytes(loaded.model)
+        if config.kv_cache:
+            step = DirectDecodeStep(loaded.model, hidden_dtype(loaded))
+            note = f"direct decode step; {note}"
+    if config.kv_cache:
+        note = f"{note}; {best_attention()[1]}"
+    log.info("decode: %s", note)
+    return step, note, tuple(notes)
+

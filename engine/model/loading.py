@@ -17,14 +17,16 @@ from urllib.parse import urlparse
 
 import torch
 from torch import nn
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig, Qwen3VLForConditionalGeneration
+from transformers.initialization import no_init_weights
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from ..kernels import attention
 from ..config import EngineConfig
-from .decode_backend import compiles_when_auto
 from ..errors import ModelUnavailable
 from ..kernels.fusion import stack_projections_
+from ..kernels.packing import pack_remaining_linears
 from .memory_pages import release_freed_memory
-from ..kernels.packing import decode_rows, keeps_fp16_copy, pack_linears_, packing_unavailable, packing_works
 from ..kernels.quantize import (INT8_WITHOUT_VNNI, LINEAR_KINDS, compute_in_float32_, has_int8_dot_product, linear_weight_bytes,
                        quantize_int8_)
 from ..kernels.system import bfloat16_matmul_is_faster
@@ -131,11 +133,6 @@ def fill_synthetic_(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
 
 
 def _load_tokenizer_and_processor(source: str, local_only: bool):
-    from transformers import AutoTokenizer
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-        Qwen2VLImageProcessorPil,
-    )
-
     tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local_only)
     # The PIL image processor does what AutoProcessor's does without needing torchvision.
     image_processor = Qwen2VLImageProcessorPil.from_pretrained(source, local_files_only=local_only)
@@ -156,8 +153,6 @@ def hub_reachable(timeout_s: float = 3.0) -> bool:
 
 
 def _eos_ids(source: str, tokenizer) -> tuple[int, ...]:
-    from transformers import GenerationConfig
-
     ids: list[int] = []
     try:
         eos = GenerationConfig.from_pretrained(source).eos_token_id
@@ -182,8 +177,6 @@ def _unavailable(model: str, cause: BaseException) -> ModelUnavailable:
 
 def build_synthetic(config_source: str | Path, dtype: torch.dtype, seed: int = 0, std: float = 0.02) -> nn.Module:
     """The architecture from config.json with synthetic weights, allocated once in its final dtype."""
-    from transformers import AutoConfig, Qwen3VLForConditionalGeneration
-    from transformers.initialization import no_init_weights
 
     model_config = AutoConfig.from_pretrained(config_source)
     # Skipping transformers' per-module init is what makes 2B parameters ready in seconds instead of ~40 s.
@@ -224,8 +217,6 @@ def load_model(config: EngineConfig, progress: ProgressCallback | None = None) -
         report(0.15, f"Building the architecture with synthetic weights ({config.dtype})")
         model = build_synthetic(load_from, torch_dtype, seed=config.seed)
     else:
-        from transformers import Qwen3VLForConditionalGeneration
-
         report(0.15, f"Loading weights ({config.dtype}); a first download can take minutes")
         try:
             model = Qwen3VLForConditionalGeneration.from_pretrained(
@@ -247,11 +238,8 @@ def load_model(config: EngineConfig, progress: ProgressCallback | None = None) -
     if config.dtype == "int8" and not has_int8_dot_product():
         notes.append(INT8_WITHOUT_VNNI)
     if config.kernels == "packed":
-        # A language model that may get a compiled decode step keeps plain Linears: inductor packs its own copy.
-        # pack_remaining_linears packs them too if the step is not kept.
-        scope = model.model.visual if may_compile(config, compute_dtype) else model
-        rows = decode_rows(config.max_batch, config.kv_cache)
-        notes.extend(pack_remaining_linears(scope, compute_dtype, report, rows))
+        # The language model's Linears are packed by the decode backend, which may compile them instead.
+        notes.extend(pack_remaining_linears(model.model.visual, compute_dtype, report))
     for note in notes:
         log.warning("%s", note)
     release_freed_memory()
@@ -271,30 +259,6 @@ def load_model(config: EngineConfig, progress: ProgressCallback | None = None) -
         decode_weight_bytes=decode_weight_bytes(model),
         notes=tuple(notes),
     )
-
-
-def may_compile(config: EngineConfig, compute_dtype: str) -> bool:
-    """Whether loading should leave the language model ready for a compiled decode step (engine/decode_step.py)."""
-    if config.compile == "auto":
-        return compiles_when_auto(config.dtype, compute_dtype, config.kernels)
-    return config.compile == "on"
-
-
-def pack_remaining_linears(model: nn.Module, compute_dtype: str, progress: ProgressCallback | None = None,
-                           rows: int = 1) -> list[str]:
-    """oneDNN-packed kernels for every plain Linear left in `model` (the default kernels), decode's laid out for
-    `rows` rows (packing.decode_rows). Returns why not, where this CPU or build cannot pack them: they then run on
-    PyTorch's stock kernels."""
-    wide = torch.float32 if compute_dtype == "float32" else torch.bfloat16
-    if not packing_works(wide):
-        return [packing_unavailable(wide)]
-    one_row_fp16 = keeps_fp16_copy(compute_dtype)
-    if progress is not None:
-        progress(0.92, "Packing bfloat16 weights for oneDNN (prefill) and as float16 for fbgemm (decode)"
-                 if one_row_fp16 else f"Packing {compute_dtype} weights for oneDNN's kernels")
-    pack_linears_(model, wide, one_row_fp16, rows)
-    release_freed_memory()
-    return []
 
 
 def looks_like_hub_id(source: str) -> bool:

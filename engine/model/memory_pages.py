@@ -13,7 +13,7 @@ from ..records.metrics import proc_bytes
 def release_freed_memory() -> None:
     """Hand the memory that load-time conversions freed (plain weights replaced by packed or int8 ones) back to the
     operating system. glibc keeps freed blocks of that size in its heap, where RSS goes on counting them: on the
-    full-size model that was 1.5 GB (bfloat16) to 2.5 GB (float32) held for nothing."""
+    full-size model that was gigabytes held for nothing (docs/decisions.md)."""
     name = ctypes.util.find_library("c")
     try:
         ctypes.CDLL(name).malloc_trim(0)

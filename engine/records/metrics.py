@@ -110,6 +110,13 @@ class PeakRss:
             self._stop.wait(self.interval_s)
 
     def __enter__(self) -> "PeakRss":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> "PeakRss":
+        """Begin the block (a request's admission, say, which runs in pieces)."""
         self._kernel_mark = self.use_kernel_mark and _restart_high_water_mark()
         self.before = self.process.memory_info().rss
         self.peak = self.before
@@ -118,7 +125,7 @@ class PeakRss:
             self._thread.start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def stop(self) -> None:
         if self._thread is not None:
             self._stop.set()
             self._thread.join()

@@ -22,7 +22,7 @@ from ..config import EngineConfig
 from ..inputs.documents import RenderClock
 from ..inputs.limits import fit_to_budget, vision_token_count
 from .metrics import RequestMetrics, current_rss
-from .stages import LOAD_IMAGES, REFUSED, RENDER_PAGES, RUNNING
+from .stages import DECODE, LOAD_IMAGES, REFUSED, RENDER_PAGES, RUNNING
 from ..request import StageStarted
 
 log = logging.getLogger(__name__)
@@ -32,7 +32,8 @@ class RequestTrace:
     """One request's books, from submission to its stored record. Written by one thread at a time: the caller's
     until the request is queued, then the worker's."""
 
-    def __init__(self, job: "Job", info: "EngineInfo", config: "EngineConfig", store: "MetricsStore"):
+    def __init__(self, job, info, config: EngineConfig, store):
+        """`job`: the request's state (core/request_state.py), whose part these books are."""
         self.job, self.info, self.config, self.store = job, info, config, store
         request = job.request
         # The settings this request runs with, resolved once: its own where it set them, else the engine's.
@@ -48,8 +49,8 @@ class RequestTrace:
         self.prompt_tokens = 0
         self.cached_prompt_tokens = 0
         self.output_tokens = 0
-        self.token_latencies_s: tuple[float, ...] = ()
-        self.decode_batch_sizes: tuple[int, ...] = ()
+        self.token_latencies_s: list[float] = []  # a decode step's time, once per token after the first
+        self.decode_batch_sizes: list[int] = []  # how many requests shared that step
         self.paused_s = 0.0
         self.ttft_s: float | None = None
         self.decode_tokens_per_s: float | None = None
@@ -95,6 +96,11 @@ class RequestTrace:
 
     def add(self, name: str, seconds: float) -> None:
         self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+
+    def decoded(self, seconds: float, batch_size: int) -> None:
+        """One decode step gave this request a token: the step took `seconds`, shared by `batch_size` requests."""
+        self.token_latencies_s.append(seconds)
+        self.decode_batch_sizes.append(batch_size)
 
     def first_token(self) -> None:
         """The first answer text exists now (only the first call counts)."""
@@ -157,13 +163,13 @@ class RequestTrace:
             output_tokens=self.output_tokens,
             started_at=self.started_at,
             queue_wait_s=self.queue_wait_s,
-            stages=dict(self.seconds),
-            token_latencies_s=self.token_latencies_s,
-            decode_batch_sizes=self.decode_batch_sizes,
+            stages=self._stages(),
+            token_latencies_s=tuple(self.token_latencies_s),
+            decode_batch_sizes=tuple(self.decode_batch_sizes),
             paused_s=self.paused_s,
             document_pages=self.document_pages,
             ttft_s=self.ttft_s,
-            decode_tokens_per_s=self.decode_tokens_per_s,
+            decode_tokens_per_s=self._decode_tokens_per_s(),
             finish_reason=self.finish_reason,
             e2e_s=time.perf_counter() - job.submitted_perf,
             rss_before_bytes=rss[0],
@@ -176,6 +182,19 @@ class RequestTrace:
             prompt=_capped(request.prompt, MAX_STORED_TEXT) if store_content else None,
             answer=_capped(self.answer, MAX_STORED_TEXT) if store_content and status != RUNNING else None,
         )
+
+    def _stages(self) -> dict[str, float]:
+        """Each stage's seconds; decode's are the sum of its steps (a remote engine times its decode as a whole)."""
+        stages = dict(self.seconds)
+        if self.token_latencies_s:
+            stages[DECODE] = stages.get(DECODE, 0.0) + sum(self.token_latencies_s)
+        return stages
+
+    def _decode_tokens_per_s(self) -> float | None:
+        seconds = sum(self.token_latencies_s)
+        if self.decode_tokens_per_s is None and seconds > 0:
+            return len(self.token_latencies_s) / seconds
+        return self.decode_tokens_per_s
 
     def _budget_sizes(self) -> tuple[tuple[int, int], ...]:
         config = self.config

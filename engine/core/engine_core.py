@@ -1,0 +1,187 @@
+"""The engine core: the model loaded once, and `step()`, one turn of the engine loop on the compute thread.
+
+    plan = scheduler.plan()            which admission piece, which requests to step
+    admission.advance(running)         the newcomer's next piece (preprocess, encode, prefill, first token)
+    logits = decode_step(running)      every decoding request one token further, in one batched step
+    output processing                  each request samples, detokenizes and emits; ended ones get their record
+    scheduler.update(plan, ...)        what was admitted and what ended
+
+The scheduler only plans; nothing calls back into the core. As vLLM's v1 EngineCore.step().
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from ..config import EngineConfig
+from ..errors import GenerationFailed
+from ..kernels.system import memory_read_gb_per_s
+from ..model import decode_backend
+from ..model.generate import decode_batch, decode_one_token, detach_step
+from ..model.loading import LoadedModel, load_model
+from ..model.memory_pages import back_with_huge_pages, huge_pages_pay
+from ..records.info import EngineInfo
+from ..records.metrics import current_rss
+from ..records.stages import CANCELLED, DETOKENIZE, ERROR, OK
+from .admission import Admission
+from .prefix_cache import CachedSequence, PrefixCache
+from .request_state import FINISHED, RequestState
+from .scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+class EngineCore:
+    """Built on the compute thread; `step()` runs there too. `scheduler` is shared with the client, which submits
+    to it from callers' threads."""
+
+    def __init__(self, config: EngineConfig, progress=None):
+        report = progress or (lambda fraction, message: None)
+        started = time.perf_counter()
+        self.config = config
+        self.loaded: LoadedModel = load_model(config, progress=report)
+        self.decode_step, decode_note, step_notes = decode_backend.prepare(self.loaded, config, report)
+        if huge_pages_pay(self.loaded.weight_bytes):
+            report(0.965, "Moving the weights onto huge pages")
+            log.info("weights: %.2f GB of the process on huge pages", back_with_huge_pages() / 1e9)
+        text_config = self.loaded.model.config.get_text_config()
+        self.info = EngineInfo(
+            model=self.loaded.name,
+            synthetic=self.loaded.synthetic,
+            dtype=config.dtype,
+            threads=config.threads,
+            weight_bytes=self.loaded.weight_bytes,
+            load_seconds=time.perf_counter() - started,  # compiling the decode step included
+            context_length=int(text_config.max_position_embeddings),
+            compute_dtype=self.loaded.compute_dtype,
+            kv_cache=config.kv_cache,
+            decode_weight_bytes=self.loaded.decode_weight_bytes,
+            decode=decode_note,
+            notes=self.loaded.notes + step_notes,
+            # Beside the engine's own OpenMP team, as decode reads: another thread's figure mixes in a second team.
+            read_ceiling_gb_per_s=memory_read_gb_per_s(),
+        )
+        self.generator = torch.Generator().manual_seed(config.seed)
+        self.prefix_cache = PrefixCache(config.prefix_cache_entries if config.kv_cache else 0)
+        self.scheduler = Scheduler(max_waiting=config.max_queue, batch_limit=self.batch_limit)
+
+    def batch_limit(self) -> int:
+        """How many requests decode together: the setting where the direct decode step runs, else one at a time
+        (transformers' forward decodes one sequence)."""
+        return self.config.max_batch if self.decode_step is not None else 1
+
+    # ---- one turn of the loop --------------------------------------------------------------------------------
+
+    def step(self) -> None:
+        """Plan, carry the plan out, and tell the scheduler what came of it."""
+        plan = self.scheduler.plan()
+        running = list(plan.step)
+        admitted = False
+        if plan.admit is not None:
+            admitted = self._admit_piece(plan.admit, running)
+        ended = [state for state in running if state.status == FINISHED]
+        if plan.admit is not None and plan.admit.status == FINISHED:
+            ended.append(plan.admit)
+        live = [state for state in running if state.status != FINISHED]
+        if live:
+            ended += self._decode(live)
+        self.scheduler.update(plan, admitted, ended)
+
+    def _admit_piece(self, state: RequestState, running: list[RequestState]) -> bool:
+        """The admission's next piece, the running requests waiting for it: the time goes on their records as
+        paused. True once the admission is over."""
+        if state.admission is None:
+            state.admission = Admission(self, state)
+        started = time.perf_counter()
+        try:
+            done = state.admission.advance(running)
+        finally:
+            paused = time.perf_counter() - started
+            for other in running:
+                other.trace.paused_s += paused
+        if done:
+            state.admission = None
+        return done
+
+    def _decode(self, states: list[RequestState]) -> list[RequestState]:
+        """Every decoding request one token further in one step; returns those that ended (answered, stopped,
+        cancelled or failed), each with its record."""
+        ended = [state for state in states if state.cancelled.is_set()]
+        live = [state for state in states if state not in ended]
+        if live:
+            started = time.perf_counter()
+            try:
+                with torch.inference_mode():
+                    logits = self._next_logits(live)
+            except Exception as exc:
+                log.exception("a decode step of %d request(s) failed", len(live))
+                error = GenerationFailed(f"generation failed: {type(exc).__name__}: {exc}")
+                for state in live:
+                    self.finish(state, error)
+                return states
+            elapsed, rss = time.perf_counter() - started, current_rss()
+            for row, state in enumerate(live):
+                trace, decoding = state.trace, state.decoding
+                trace.decoded(elapsed, len(live))
+                decoding.rss[1] = max(decoding.rss[1], rss)
+                decoding.token = decoding.sampler(logits[row:row + 1])
+                with trace.stage(DETOKENIZE, announce=False):
+                    decoding.output.take(decoding.token)
+                if decoding.output.stopped or decoding.output.tokens >= trace.max_new_tokens:
+                    ended.append(state)
+        for state in ended:
+            if state.status != FINISHED:
+                self.finish(state)
+        return ended
+
+    def _next_logits(self, states: list[RequestState]) -> torch.Tensor:
+        """The next logits of each request, row by row: one batched step of the direct decode step, or (plain
+        kernels, no KV cache: batches of one) transformers' forward."""
+        first = states[0].decoding
+        if first.state.step is None:
+            (state,) = states
+            return decode_one_token(self.loaded.model, first.state, first.token)
+        return decode_batch(self.decode_step, [state.decoding.state for state in states],
+                            [state.decoding.token for state in states])
+
+    # ---- output processing's last word -------------------------------------------------------------------------
+
+    def finish(self, state: RequestState, error: BaseException | None = None) -> None:
+        """Close a decoding request's books: its keys and values back to the prefix cache, the held-back text out,
+        its record stored and posted."""
+        trace, decoding = state.trace, state.decoding
+        cancelled = state.cancelled.is_set()
+        try:
+            detach_step(decoding.state)
+            if decoding.state.cache is not None and error is None:  # prompt and answer so far: the next turn's start
+                self.prefix_cache.put(CachedSequence(decoding.state.tokens, decoding.state.cache, decoding.keys,
+                                                     decoding.spans))
+        except Exception:
+            log.exception("request %s: its cache could not be kept", state.id)
+        output = decoding.output
+        output.finish()
+        trace.output_tokens = output.tokens
+        trace.answer = output.answer
+        trace.finish_reason = None if cancelled or error else "stop" if output.stopped else "length"
+        after = current_rss()
+        trace.rss_bytes = (decoding.rss[0], max(decoding.rss[1], after), after)
+        state.status = FINISHED
+        trace.finish(ERROR if error is not None else CANCELLED if cancelled else OK, error)
+
+    def reserved_bytes(self, running: list[RequestState]) -> int:
+        """Keys and values the running answers will still add, up to their length limits."""
+        step = self.decode_step
+        if step is None:
+            return 0
+        return sum(max(0, step.kv_bytes(state.trace.prompt_tokens + state.trace.max_new_tokens)
+                          - step.kv_bytes(state.decoding.state.tokens.shape[1]))
+                   for state in running if state.decoding is not None and state.decoding.state.kv is not None)
+
+    def release(self) -> None:
+        """The decode step's weights and compiled code go (after any step still running)."""
+        step, self.decode_step = self.decode_step, None
+        if step is not None:
+            step.release()
+

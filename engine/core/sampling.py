@@ -1,0 +1,72 @@
+"""Choosing each request's next token from its logits: logit bias, presence and frequency penalties, greedy or
+temperature and nucleus sampling, and the log probabilities a request asked for."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
+    """Greedy when temperature is 0, else temperature and nucleus (top-p) sampling, over (1, vocab) logits."""
+    return _choose(finite(logits[0]), temperature, top_p, generator)
+
+
+def finite(logits: torch.Tensor) -> torch.Tensor:
+    """A float32 copy in which no NaN or infinity can win or poison the choice."""
+    return torch.nan_to_num(logits.float(), nan=-1e9, posinf=1e9, neginf=-1e9)
+
+
+def _choose(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
+    if temperature <= 0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < top_p
+        sorted_probs = sorted_probs * keep
+        choice = torch.multinomial(sorted_probs / sorted_probs.sum(), 1, generator=generator)
+        return int(order[choice])
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+@dataclass
+class TokenLogprob:
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # the most likely tokens at this step and their log probabilities
+
+
+@dataclass
+class Sampler:
+    """One request's choice of the next token: logit bias, presence and frequency penalties over the tokens it has
+    generated, then greedy or temperature/top-p `sample`. With `top_logprobs` set (0 to 20) it also keeps each
+    chosen token's log probability and the most likely alternatives, from the logits it chose on."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    generator: torch.Generator = field(default_factory=torch.Generator)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    top_logprobs: int | None = None
+    counts: dict[int, int] = field(default_factory=dict)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        logits = finite(logits[0])
+        if self.logit_bias:
+            ids, values = zip(*self.logit_bias)
+            logits[list(ids)] += torch.tensor(values)
+        if self.counts and (self.presence_penalty or self.frequency_penalty):
+            ids = torch.tensor(list(self.counts))
+            seen = torch.tensor(list(self.counts.values()), dtype=torch.float32)
+            logits[ids] -= self.presence_penalty + self.frequency_penalty * seen
+        token = _choose(logits, self.temperature, self.top_p, self.generator)
+        if self.top_logprobs is not None:
+            log_probs = torch.log_softmax(logits, dim=-1)
+            top = torch.topk(log_probs, self.top_logprobs) if self.top_logprobs else None
+            self.logprobs.append(TokenLogprob(token, float(log_probs[token]), tuple(
+                zip(top.indices.tolist(), top.values.tolist())) if top is not None else ()))
+        self.counts[token] = self.counts.get(token, 0) + 1
+        return token
