@@ -4,7 +4,7 @@ shared host's drift falls on all of them alike.
 
     python -m bench.standard --model ../shared/qwen3-vl-2b --isa native avx2 --rounds 2 --out standard.md
 
-`--isa avx2` runs a request with PyTorch, oneDNN, fbgemm and this project held to AVX2 (engine/system.py,
+`--isa avx2` runs a request with PyTorch, oneDNN, fbgemm and this project held to AVX2 (engine/kernels/system.py,
 AVX2_DISPATCH): the paths an AVX2-only server takes, measured on a bigger CPU.
 """
 from __future__ import annotations

@@ -46,7 +46,7 @@ class ImageHeader:
     format: str
     data: bytes | None  # the file's bytes; None for a PIL image handed in
     image: Image.Image | None  # opened, not decoded; None for a document's page
-    page: "Page | None" = None  # a document's page (engine/documents.py), rendered when decoded
+    page: "Page | None" = None  # a document's page (documents.py), rendered when decoded
 
 
 # One image decodes at a time in the whole process: concurrent requests cannot multiply the peak of a large one.

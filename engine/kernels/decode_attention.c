@@ -5,7 +5,7 @@
  * and value at the sequence's length, then reads the keys once for the scores of the head's query rows and the
  * values once for their weighted sum, in float32. PyTorch's batched matmuls read the values at about half the rate
  * memory allows at these shapes (two query rows); see docs/decisions.md, "Decode attention kernel". Built by
- * engine/decode_attention.py with OpenMP from the libgomp PyTorch has already loaded, so its threads are PyTorch's.
+ * decode_attention.py with OpenMP from the libgomp PyTorch has already loaded, so its threads are PyTorch's.
  */
 #include <math.h>
 #include <omp.h>

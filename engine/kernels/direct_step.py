@@ -4,7 +4,7 @@ transformers' forward is built for every case (any batch, masks, cache kinds, ou
 runs thousands of small operations around the 197 products that read the weights. Here a token is the products plus
 about 30 operations a layer, on keys and values kept in buffers of this step's own, in the dtype transformers'
 cache keeps (no mask, no cache object, no copy of the whole cache a step: transformers' DynamicCache
-concatenates). Attention for all the step's sequences is one call (engine/decode_attention.py).
+concatenates). Attention for all the step's sequences is one call (decode_attention.py).
 
 A token is cut at its attentions into 29 segments (the head, then from each attention to the next: o_proj, MLP,
 the next layer's norms, projections and rotary). `compile()` hands each segment to inductor with the weights frozen
@@ -60,7 +60,7 @@ class DirectDecodeStep:
     def __init__(self, model, hidden_dtype: torch.dtype | None = None, growth: int = GROWTH,
                  chunk: int = PREFILL_CHUNK, attention=None):
         """hidden_dtype: what the hidden state is kept in between operations; the model's own dtype if None.
-        attention: what a step attends with (engine/decode_attention.py); this process's best if None."""
+        attention: what a step attends with (decode_attention.py); this process's best if None."""
         self.hidden_dtype, self.growth, self.chunk = hidden_dtype, growth, chunk
         self.attention = attention if attention is not None else best_attention()[0]
         language_model = model.model.language_model
