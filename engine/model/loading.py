@@ -194,24 +194,47 @@ def load_model(config: EngineConfig, progress: ProgressCallback | None = None) -
     started = time.perf_counter()
     torch.set_num_threads(config.threads)
     attention.install()
-    source = config.model
+    load_from, synthetic, local_only = _locate(config.model)
+    report(0.05, "Loading tokenizer and image processor")
+    try:
+        tokenizer, image_processor = _load_tokenizer_and_processor(load_from, local_only)
+    except (OSError, ValueError) as exc:
+        raise _unavailable(config.model, exc) from None
+    model = _read_weights(config, load_from, synthetic, local_only, report)
+    compute_dtype, notes = _convert(model, config, report)
+    release_freed_memory()
+    report(0.95, "Model ready")
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        image_processor=image_processor,
+        eos_token_ids=_eos_ids(load_from, tokenizer),
+        image_token_id=int(model.config.image_token_id),
+        name=config.model,
+        synthetic=synthetic,
+        dtype=config.dtype,
+        compute_dtype=compute_dtype,
+        weight_bytes=weight_bytes(model),
+        load_seconds=time.perf_counter() - started,
+        decode_weight_bytes=decode_weight_bytes(model),
+        notes=tuple(notes),
+    )
+
+
+def _locate(source: str) -> tuple[str, bool, bool]:
+    """Where the model loads from, whether its weights are synthetic (a folder without weight files), and whether
+    only the local Hugging Face cache may serve it (a hub id while the hub is out of reach)."""
     folder = Path(source).expanduser()
     is_folder = folder.is_dir()
     if not is_folder and not looks_like_hub_id(source):
         raise ModelUnavailable(f"Model folder {source!r} does not exist. Pass a folder with config.json, or a hub id.")
     if is_folder and not (folder / "config.json").is_file():
         raise ModelUnavailable(f"{source!r} has no config.json: it is not a Qwen3-VL model folder.")
-    synthetic = is_folder and not has_weights(folder)
-    load_from = str(folder) if is_folder else source
+    return (str(folder) if is_folder else source), is_folder and not has_weights(folder), \
+        not is_folder and not hub_reachable()
 
-    # Offline, a hub id can still load from the local Hugging Face cache.
-    local_only = not is_folder and not hub_reachable()
-    report(0.05, "Loading tokenizer and image processor")
-    try:
-        tokenizer, image_processor = _load_tokenizer_and_processor(load_from, local_only)
-    except (OSError, ValueError) as exc:
-        raise _unavailable(source, exc) from None
 
+def _read_weights(config: EngineConfig, load_from: str, synthetic: bool, local_only: bool, report) -> nn.Module:
     torch_dtype = _torch_dtype(config.dtype)
     if synthetic:
         report(0.15, f"Building the architecture with synthetic weights ({config.dtype})")
@@ -219,13 +242,19 @@ def load_model(config: EngineConfig, progress: ProgressCallback | None = None) -
     else:
         report(0.15, f"Loading weights ({config.dtype}); a first download can take minutes")
         try:
-            model = Qwen3VLForConditionalGeneration.from_pretrained(
-                load_from, dtype=torch_dtype, local_files_only=local_only
-            )
+            model = Qwen3VLForConditionalGeneration.from_pretrained(load_from, dtype=torch_dtype,
+                                                                    local_files_only=local_only)
         except (OSError, ValueError) as exc:
-            raise _unavailable(source, exc) from None
+            raise _unavailable(config.model, exc) from None
     model.eval()
     model.requires_grad_(False)
+    return model
+
+
+def _convert(model: nn.Module, config: EngineConfig, report) -> tuple[str, list[str]]:
+    """The weights as the engine computes with them: projections stacked, int8 quantized, compact weights widened
+    where this CPU computes faster in float32, the vision tower packed. Returns the compute dtype and the notes
+    of kernels this CPU cannot serve."""
     stack_projections_(model)
     if config.dtype == "int8":
         report(0.8, "Quantizing the language model's Linear layers to int8")
@@ -242,23 +271,7 @@ def load_model(config: EngineConfig, progress: ProgressCallback | None = None) -
         notes.extend(pack_remaining_linears(model.model.visual, compute_dtype, report))
     for note in notes:
         log.warning("%s", note)
-    release_freed_memory()
-    report(0.95, "Model ready")
-    return LoadedModel(
-        model=model,
-        tokenizer=tokenizer,
-        image_processor=image_processor,
-        eos_token_ids=_eos_ids(load_from, tokenizer),
-        image_token_id=int(model.config.image_token_id),
-        name=source,
-        synthetic=synthetic,
-        dtype=config.dtype,
-        compute_dtype=compute_dtype,
-        weight_bytes=weight_bytes(model),
-        load_seconds=time.perf_counter() - started,
-        decode_weight_bytes=decode_weight_bytes(model),
-        notes=tuple(notes),
-    )
+    return compute_dtype, notes
 
 
 def looks_like_hub_id(source: str) -> bool:
