@@ -300,6 +300,52 @@ def _wait_ready(base: str, log_path: Path) -> None:
     raise RuntimeError(f"the server did not become ready; see {log_path}")
 
 
+def _result(db: Path, front_db: Path | None, outcomes: dict[str, int], metrics_text: str, sent: int,
+            app_sessions: int, rss: tuple[int, int], watch: "HealthWatch", health: dict, started: float,
+            hostile: bool) -> dict:
+    """The soak's verdict from what the clients saw and what the databases recorded. `sent` counts every request,
+    the three warm-up requests and the app sessions' answers included (they are real requests too); `rss` is the
+    server's resident memory after the warm-up and at the end."""
+    through_front = sum(n for key, n in outcomes.items() if key.startswith("hostile_backend:"))
+    front_records = [r for r in MetricsStore(front_db).between(0) if not r.warmup] if front_db else []
+    records = [r for r in MetricsStore(db).between(0) if not r.warmup]
+    # Refusals the guard turns away in bulk are counted in /metrics and recorded once a minute per kind.
+    tallied = sum(int(line.rsplit(" ", 1)[1]) for line in metrics_text.splitlines()
+                  if line.startswith("vlscope_guard_refusals_total{"))
+    unrecorded = tallied - sum(1 for r in records if r.error_type in TALLIED)
+    waits = [r.queue_wait_s for r in records if r.started_at is not None]
+    statuses: dict[str, int] = {}
+    for record in records:
+        statuses[record.status] = statuses.get(record.status, 0) + 1
+    return {
+        "requests_sent": sent,
+        "app_sessions": app_sessions,
+        "outcomes": dict(sorted(outcomes.items())),
+        "records": len(records),
+        "records_by_status": statuses,
+        "refusals_counted_not_recorded": unrecorded,
+        # Half a header never becomes a request: nothing to record.
+        "one_record_per_request": len(records) + unrecorded + outcomes.get("half_header:closed", 0) + through_front
+                                  == sent and len(front_records) == through_front,
+        "records_left_running": statuses.get("running", 0) + sum(r.status == "running" for r in front_records),
+        "hostile_backend_records": {r.status: sum(x.status == r.status for x in front_records) for r in front_records},
+        "server_errors": sum(n for k, n in outcomes.items() if re.search(r":5\d\d$", k) or "client-error" in k),
+        "queue_wait_p50_s": float(np.percentile(waits, 50)) if waits else None,
+        "queue_wait_p95_s": float(np.percentile(waits, 95)) if waits else None,
+        "rss_after_warmup_bytes": rss[0],
+        "rss_end_bytes": rss[1],
+        "rss_growth": (rss[1] - rss[0]) / rss[0],
+        "rss_growth_bytes": rss[1] - rss[0],
+        "health_checks": len(watch.seconds),
+        "health_p99_s": float(np.percentile(watch.seconds, 99)) if watch.seconds else None,
+        "health_max_s": max(watch.seconds, default=None),
+        "hostile": hostile,
+        "health_at_end": health.get("status"),
+        "seconds": time.time() - started,
+    }
+
+
+
 def soak(model: str, requests: int, clients: int, seconds: float, workdir: Path, report=print,
          app_sessions: int = 1, app_chats: int = 3, hostile: bool = False) -> dict:
     port, db = _free_port(), workdir / "soak.db"
@@ -404,44 +450,8 @@ def soak(model: str, requests: int, clients: int, seconds: float, workdir: Path,
                 log_.close()
         if backend is not None:
             backend.shutdown()
-    through_front = sum(n for key, n in outcomes.items() if key.startswith("hostile_backend:"))
-    front_records = [r for r in MetricsStore(front_db).between(0) if not r.warmup] if hostile else []
-    records = [r for r in MetricsStore(db).between(0) if not r.warmup]
-    # Refusals the guard turns away in bulk are counted in /metrics and recorded once a minute per kind.
-    tallied = sum(int(line.rsplit(" ", 1)[1]) for line in metrics_text.splitlines()
-                  if line.startswith("vlscope_guard_refusals_total{"))
-    unrecorded = tallied - sum(1 for r in records if r.error_type in TALLIED)
-    waits = [r.queue_wait_s for r in records if r.started_at is not None]
-    statuses: dict[str, int] = {}
-    for record in records:
-        statuses[record.status] = statuses.get(record.status, 0) + 1
-    app_requests = app_sessions * app_chats
-    return {
-        "requests_sent": sent + 3 + app_requests,  # the three warm-up requests are real API requests too
-        "app_sessions": app_sessions,
-        "outcomes": dict(sorted(outcomes.items())),
-        "records": len(records),
-        "records_by_status": statuses,
-        "refusals_counted_not_recorded": unrecorded,
-        # Half a header never becomes a request: nothing to record.
-        "one_record_per_request": len(records) + unrecorded + outcomes.get("half_header:closed", 0) + through_front
-                                  == sent + 3 + app_requests and len(front_records) == through_front,
-        "records_left_running": statuses.get("running", 0) + sum(r.status == "running" for r in front_records),
-        "hostile_backend_records": {r.status: sum(x.status == r.status for x in front_records) for r in front_records},
-        "server_errors": sum(n for k, n in outcomes.items() if re.search(r":5\d\d$", k) or "client-error" in k),
-        "queue_wait_p50_s": float(np.percentile(waits, 50)) if waits else None,
-        "queue_wait_p95_s": float(np.percentile(waits, 95)) if waits else None,
-        "rss_after_warmup_bytes": rss_start,
-        "rss_end_bytes": rss_end,
-        "rss_growth": (rss_end - rss_start) / rss_start,
-        "rss_growth_bytes": rss_end - rss_start,
-        "health_checks": len(watch.seconds),
-        "health_p99_s": float(np.percentile(watch.seconds, 99)) if watch.seconds else None,
-        "health_max_s": max(watch.seconds, default=None),
-        "hostile": hostile,
-        "health_at_end": health.get("status"),
-        "seconds": time.time() - started,
-    }
+    return _result(db, front_db if hostile else None, outcomes, metrics_text, sent + 3 + app_sessions * app_chats,
+                   app_sessions, (rss_start, rss_end), watch, health, started, hostile)
 
 
 def main(argv: list[str] | None = None) -> int:
