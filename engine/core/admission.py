@@ -128,9 +128,8 @@ class Admission:
             self.patches = patchify_images(core.loaded.image_processor, [self.pictures[i] for i in fresh],
                                            [prepared.sizes[i] for i in fresh]) if fresh else None
             self.grids = image_grids(prepared.sizes)
-        if self.patches is None:
-            return self._prefill(running)
-        return self._encode  # preprocessing done: the running streams take a step
+        # Preprocessing done: the running streams take a step before the encode (or, without one, the prefill).
+        return self._encode if self.patches is not None else self._prefill
 
     def _encode(self, running):
         trace, started = self.trace, time.perf_counter()

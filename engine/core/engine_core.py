@@ -46,6 +46,8 @@ class EngineCore:
         if huge_pages_pay(self.loaded.weight_bytes):
             report(0.965, "Moving the weights onto huge pages")
             log.info("weights: %.2f GB of the process on huge pages", back_with_huge_pages() / 1e9)
+        # Beside the engine's own OpenMP team, as decode reads: another thread's figure mixes in a second team.
+        read_ceiling = memory_read_gb_per_s()
         text_config = self.loaded.model.config.get_text_config()
         self.info = EngineInfo(
             model=self.loaded.name,
@@ -60,8 +62,7 @@ class EngineCore:
             decode_weight_bytes=self.loaded.decode_weight_bytes,
             decode=decode_note,
             notes=self.loaded.notes + step_notes,
-            # Beside the engine's own OpenMP team, as decode reads: another thread's figure mixes in a second team.
-            read_ceiling_gb_per_s=memory_read_gb_per_s(),
+            read_ceiling_gb_per_s=read_ceiling,
         )
         self.generator = torch.Generator().manual_seed(config.seed)
         self.prefix_cache = PrefixCache(config.prefix_cache_entries if config.kv_cache else 0)
