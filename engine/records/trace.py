@@ -1,13 +1,13 @@
-"""A request's bookkeeping, owned in one place: the stage and status names, the settings the request resolved to, what
-it processed and how long each stage took, and the record it leaves behind.
+"""A request's bookkeeping, owned in one place: the settings the request resolved to, what it processed and how long
+each stage took, and the record it leaves behind. It is one part of the request's state (core/request_state.py),
+which makes it:
 
-    trace = RequestTrace(job, engine.info, config, store)
+    trace = state.trace
     with trace.stage(PREFILL):        # tells the stream the stage began, and times it
         ...
     trace.finish(OK)                  # builds the RequestMetrics, stores it, posts it to the request's stream
 
-Both engines (local and remote) keep their books through it, and every page, chart and exporter imports the names
-from here instead of retyping them.
+Both engines (local and remote) keep their books through it; the stage and status names are records/stages.py's.
 """
 from __future__ import annotations
 
