@@ -78,16 +78,14 @@ class EngineCore:
     def step(self) -> None:
         """Plan, carry the plan out, and tell the scheduler what came of it."""
         plan = self.scheduler.plan()
-        running = list(plan.step)
-        admitted = False
+        running = list(plan.step)  # decoding requests: a request leaves the plan once it has its record
+        admitted, ended = False, []
         if plan.admit is not None:
             admitted = self._admit_piece(plan.admit, running)
-        ended = [state for state in running if state.status == FINISHED]
-        if plan.admit is not None and plan.admit.status == FINISHED:
-            ended.append(plan.admit)
-        live = [state for state in running if state.status != FINISHED]
-        if live:
-            ended += self._decode(live)
+            if plan.admit.status == FINISHED:  # refused, cancelled, failed, or answered in one token
+                ended.append(plan.admit)
+        if running:
+            ended += self._decode(running)
         self.scheduler.update(plan, admitted, ended)
 
     def _admit_piece(self, state: RequestState, running: list[RequestState]) -> bool:
@@ -121,6 +119,8 @@ class EngineCore:
                 error = GenerationFailed(f"generation failed: {type(exc).__name__}: {exc}")
                 for state in live:
                     self.finish(state, error)
+                for state in ended:  # cancelled before the step: their records all the same
+                    self.finish(state)
                 return states
             elapsed, rss = time.perf_counter() - started, current_rss()
             for row, state in enumerate(live):
@@ -133,8 +133,7 @@ class EngineCore:
                 if decoding.output.stopped or decoding.output.tokens >= trace.max_new_tokens:
                     ended.append(state)
         for state in ended:
-            if state.status != FINISHED:
-                self.finish(state)
+            self.finish(state)
         return ended
 
     def _next_logits(self, states: list[RequestState]) -> torch.Tensor:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from ..request import ChatRequest, Queued
 from ..records.trace import RequestTrace
 
-WAITING, ADMITTING, DECODING, FINISHED = "waiting", "admitting", "decoding", "finished"
+WAITING, DECODING, FINISHED = "waiting", "decoding", "finished"  # admitting: `admission` is set
 
 
 @dataclass(eq=False)
