@@ -13,7 +13,7 @@ from urllib.parse import urlparse
 
 from starlette.datastructures import Headers
 
-from .openai_format import ApiError
+from .errors import ApiError
 
 API_PREFIXES = ("/v1/", "/metrics")
 UPLOAD_PREFIX = "/_stcore/upload_file/"

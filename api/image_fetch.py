@@ -14,7 +14,7 @@ from urllib.parse import urljoin, urlparse
 
 import httpx
 
-from .openai_format import ApiError
+from .errors import ApiError
 
 log = logging.getLogger(__name__)
 

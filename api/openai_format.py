@@ -6,23 +6,8 @@ from pathlib import Path
 from engine import ChatRequest, RequestMetrics, Turn
 from engine.inputs.documents import Document, is_pdf
 
-
-class ApiError(Exception):
-    """An error with its HTTP status and OpenAI error type; the message is shown to the client as it is."""
-
-    def __init__(self, status: int, message: str, error_type: str = "invalid_request_error", code: str | None = None,
-                 retry_after: int | None = None, param: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.error_type, self.code, self.retry_after, self.param = (
-            status, message, error_type, code, retry_after, param)
-        self.recorded = False  # True when an engine already stored the request's record
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
-
-
-def unsupported(param: str, message: str) -> ApiError:
-    return ApiError(400, message, code="unsupported_parameter", param=param)
+from . import structured
+from .errors import ApiError, unsupported
 
 
 def _content(content, fetch_image, max_pages: int | None = None) -> tuple[str, tuple]:
@@ -99,19 +84,13 @@ def stream_settings(body: dict) -> tuple[bool, bool]:
     return stream, _flag(options, "include_usage")
 
 
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
 def check_unsupported(body: dict) -> None:
     """What a single-stream CPU server does not do is refused by name, never silently ignored."""
     if body.get("n") not in (None, 1):
         raise unsupported("n", "n > 1 is not supported: one answer per request (send the request again)")
-    for name in ("tools", "functions", "tool_choice", "function_call"):
-        if body.get(name) not in (None, [], "none"):
-            raise unsupported(name, f"{name} is not supported: this server does not call tools")
-    response_format = body.get("response_format")
-    if response_format is not None and (not isinstance(response_format, dict) or response_format.get("type") != "text"):
-        raise unsupported("response_format", "only response_format {\"type\": \"text\"} is supported")
 
 
 ATTACHMENT_PARTS = ("image_url", "file")
@@ -141,18 +120,10 @@ def to_chat_request(body: dict, fetch_image, max_tokens_cap: int, allow_ignore_e
         raise ApiError(400, f"{attachments:,} images and files; at most {max_images} per request",
                        code="too_many_images", param="messages")
     max_pages = _number(body, "max_pages", int, 1, 1000)  # vlscope's extension: at most this many pages a document
-    parsed = []
-    for message in messages:
-        if not isinstance(message, dict) or message.get("role") not in ROLES:
-            raise ApiError(400, "each message needs a role of system, developer, user or assistant", param="messages")
-        role = ROLES[message["role"]]
-        text, images = _content(message.get("content", ""), fetch_image, max_pages)
-        if images and role != "user":
-            raise ApiError(400, "only user messages may carry images", param="messages")
-        parsed.append((role, text, images))
-    role, prompt, images = parsed[-1]
-    if role != "user":
-        raise ApiError(400, "the last message must come from the user", param="messages")
+    turns = [_turn(message, fetch_image, max_pages) for message in messages]
+    last = turns[-1]
+    if last.role not in ("user", "tool"):
+        raise ApiError(400, "the last message must come from the user, or be a tool's result", param="messages")
     max_tokens = _max_tokens(body, "max_completion_tokens", max_tokens_cap)
     max_tokens = max_tokens or _max_tokens(body, "max_tokens", max_tokens_cap)
     ignore_eos = _flag(body, "ignore_eos")  # vLLM's extension, for fixed-length benchmarks
@@ -164,8 +135,11 @@ def to_chat_request(body: dict, fetch_image, max_tokens_cap: int, allow_ignore_e
         top_logprobs = top_logprobs or 0
     elif top_logprobs is not None:
         raise ApiError(400, "top_logprobs needs logprobs: true", code="invalid_value", param="top_logprobs")
+    tools, tool_choice, parallel_tool_calls = structured.tools(body)
     return ChatRequest(
-        prompt=prompt, images=images, history=tuple(Turn(r, t, i) for r, t, i in parsed[:-1]),
+        prompt=last.text, images=last.images, history=tuple(turns[:-1]), prompt_role=last.role,
+        json_schema=structured.json_schema(body), tools=tools, tool_choice=tool_choice,
+        parallel_tool_calls=parallel_tool_calls,
         max_new_tokens=max_tokens, temperature=_number(body, "temperature", float, 0, 2),
         top_p=_number(body, "top_p", float, 0, 1, inclusive_low=False), source="api",
         ignore_eos=ignore_eos,
@@ -174,6 +148,25 @@ def to_chat_request(body: dict, fetch_image, max_tokens_cap: int, allow_ignore_e
         frequency_penalty=_number(body, "frequency_penalty", float, -2, 2) or 0.0,
         logit_bias=_logit_bias(body.get("logit_bias")), top_logprobs=top_logprobs,
     )
+
+
+def _turn(message, fetch_image, max_pages: int | None) -> Turn:
+    """One message as a turn of the conversation: its text and images, an assistant's calls, a tool's result."""
+    if not isinstance(message, dict) or message.get("role") not in ROLES:
+        raise ApiError(400, "each message needs a role of system, developer, user, assistant or tool",
+                       param="messages")
+    role = ROLES[message["role"]]
+    content = message.get("content", "")
+    if content is None and role in ("assistant", "tool"):  # an assistant turn of calls alone
+        content = ""
+    text, images = _content(content, fetch_image, max_pages)
+    if images and role != "user":
+        raise ApiError(400, "only user messages may carry images", param="messages")
+    calls = structured.assistant_calls(message) if role == "assistant" else ()
+    tool_call_id = message.get("tool_call_id", "") if role == "tool" else ""
+    if not isinstance(tool_call_id, str):
+        raise ApiError(400, "a tool message's tool_call_id must be a string", code="invalid_type", param="messages")
+    return Turn(role, text, images, calls, tool_call_id)
 
 
 def _max_tokens(body: dict, name: str, cap: int) -> int | None:
@@ -230,10 +223,10 @@ def model_entry(name: str, created: int) -> dict:
     return {"id": name, "object": "model", "created": created, "owned_by": "vlscope"}
 
 
-def finish_reason(metrics: RequestMetrics) -> str:
-    if metrics.finish_reason:
-        return metrics.finish_reason
-    return "length" if metrics.output_tokens >= metrics.max_new_tokens else "stop"
+def finish_reason(metrics: RequestMetrics, called: bool = False) -> str:
+    """stop or length; tool_calls when an answer that stopped made calls."""
+    reason = metrics.finish_reason or ("length" if metrics.output_tokens >= metrics.max_new_tokens else "stop")
+    return "tool_calls" if called and reason == "stop" else reason
 
 
 def usage(metrics: RequestMetrics) -> dict:
@@ -255,13 +248,15 @@ def public_metrics(metrics: RequestMetrics) -> dict:
     return record
 
 
-def completion(model: str, text: str, metrics: RequestMetrics, logprobs: list[dict] | None = None) -> dict:
+def completion(model: str, text: str | None, metrics: RequestMetrics, logprobs: list[dict] | None = None,
+               tool_calls: list[dict] | None = None) -> dict:
+    message = {"role": "assistant", "content": text} | ({"tool_calls": tool_calls} if tool_calls else {})
     return {
         "id": f"chatcmpl-{metrics.id}", "object": "chat.completion", "created": int(metrics.submitted_at),
         "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+        "choices": [{"index": 0, "message": message,
                      "logprobs": None if logprobs is None else {"content": logprobs},
-                     "finish_reason": finish_reason(metrics)}],
+                     "finish_reason": finish_reason(metrics, bool(tool_calls))}],
         "usage": usage(metrics), "metrics": public_metrics(metrics),
     }
 

@@ -16,7 +16,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from engine import (Busy, ChatRequest, InsufficientMemory, InvalidImage, InvalidPrompt, PromptTooLong, RequestHandle,
+from engine import (Busy, ChatRequest, InsufficientMemory, InvalidImage, InvalidPrompt, InvalidSchema, PromptTooLong,
+                    RequestHandle,
                     RequestMetrics, ServingEngine, StageStarted, TextChunk, VlscopeError)
 from engine.inputs.limits import max_messages
 from engine.records.stages import PREFILL, VISION_ENCODE
@@ -26,7 +27,9 @@ from server.slot import engine_slot, ensure_loaded, get_store, server_settings, 
 from . import prometheus, refusals
 from .guard import API_PREFIXES, authorized
 from .image_fetch import ImageFetcher
-from .openai_format import (ApiError, chunk, completion, finish_reason, logprobs_content, model_entry, public_metrics,
+from .tool_calls import ToolCallParser, split_calls
+from .errors import ApiError
+from .openai_format import (chunk, completion, finish_reason, logprobs_content, model_entry, public_metrics,
                             served_model_name, stream_settings, to_chat_request, usage)
 
 log = logging.getLogger(__name__)
@@ -94,8 +97,8 @@ def _engine() -> ServingEngine:
 def _engine_error(exc: VlscopeError) -> ApiError:
     if isinstance(exc, Busy):
         error = ApiError(429, exc.message, "rate_limit_error", "busy", retry_after=5)
-    elif isinstance(exc, (InvalidImage, InvalidPrompt, PromptTooLong)):
-        error = ApiError(400, exc.message, "invalid_request_error", exc.kind)
+    elif isinstance(exc, (InvalidImage, InvalidPrompt, InvalidSchema, PromptTooLong)):
+        error = ApiError(400, exc.message, "invalid_request_error", exc.kind, param=getattr(exc, "about", None))
     elif isinstance(exc, InsufficientMemory):
         error = ApiError(503, exc.message, "server_error", exc.kind, retry_after=30)
     else:
@@ -206,6 +209,12 @@ class ChatCall:
     include_usage: bool
     token_text: Callable[[int], str] | None  # how a token id reads, for logprobs; None when none were asked
 
+    @property
+    def tool_names(self) -> frozenset[str] | None:
+        """The functions whose calls are read out of the answer; None when calls are not looked for."""
+        chat = self.chat
+        return frozenset(tool.name for tool in chat.tools) if chat.tools and chat.tool_choice != "none" else None
+
 
 async def chat_completions(request: Request) -> Response:
     try:
@@ -251,7 +260,8 @@ async def _emit_stream(call: ChatCall, handle: RequestHandle, request: Request) 
     except VlscopeError as exc:
         raise _engine_error(exc) from None
     watch.active = False
-    return StreamingResponse(_sse(handle, early, events, call.model, call.include_usage, call.token_text),
+    return StreamingResponse(_sse(handle, early, events, call.model, call.include_usage, call.token_text,
+                                  call.tool_names),
                              media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
@@ -268,8 +278,12 @@ async def _emit_completion(call: ChatCall, handle: RequestHandle, request: Reque
         raise _engine_error(exc) from None
     if metrics is None:  # the client went away; nobody reads this
         return Response(status_code=499)
-    return JSONResponse(completion(call.model, "".join(parts), metrics,
-                                   logprobs_content(logprobs, call.token_text) if call.token_text else None))
+    text, calls = "".join(parts), []
+    if call.tool_names is not None:
+        text, calls = split_calls(text, call.tool_names)
+    return JSONResponse(completion(call.model, text, metrics,
+                                   logprobs_content(logprobs, call.token_text) if call.token_text else None,
+                                   [parsed.as_openai() for parsed in calls]))
 
 
 async def _chain(first: list, rest):
@@ -289,21 +303,39 @@ def _token_text(engine: ServingEngine, chat: ChatRequest) -> Callable[[int], str
     return engine.token_text
 
 
-async def _sse(handle, early: list, events, model: str, include_usage: bool, token_text=None):
+async def _sse(handle, early: list, events, model: str, include_usage: bool, token_text=None,
+               tool_names: frozenset[str] | None = None):
     def event(data) -> str:
         return f"data: {json.dumps(data)}\n\n"
 
     created = int(time.time())  # the same in every chunk of one answer
+    parser = ToolCallParser(tool_names) if tool_names is not None else None
+    held_logprobs: list = []  # of text the parser holds back: they ride on the next chunk sent
+
+    def pieces(text: str, logprobs, last: bool = False):
+        """The chunks a piece of answer text makes: content, and with tools, the calls read out of it."""
+        held_logprobs.extend(logprobs)
+        found = [text] if parser is None else parser.feed(text) + (parser.finish() if last else [])
+        for piece in found:
+            delta = {"content": piece} if isinstance(piece, str) else {"tool_calls": [piece.as_openai(True)]}
+            shown = logprobs_content(held_logprobs, token_text) if token_text else None
+            held_logprobs.clear()
+            yield event(chunk(handle.id, model, created, delta, logprobs=shown))
+
     yield event(chunk(handle.id, model, created, {"role": "assistant", "content": ""}))
     try:
         async for item in _chain(early, events):
             if isinstance(item, TextChunk):
-                yield event(chunk(handle.id, model, created, {"content": item.text},
-                                  logprobs=logprobs_content(item.logprobs, token_text) if token_text else None))
+                for line in pieces(item.text, item.logprobs):
+                    yield line
             elif isinstance(item, RequestMetrics):
+                for line in pieces("", (), last=True):
+                    yield line
                 # vlscope's stage timings ride on the last choice chunk (clients ignore fields they do not know);
                 # usage comes only when asked, in a chunk of its own with no choices, as OpenAI sends it.
-                yield event(chunk(handle.id, model, created, {}, finish_reason(item), metrics=public_metrics(item)))
+                called = parser is not None and bool(parser.calls)
+                yield event(chunk(handle.id, model, created, {}, finish_reason(item, called),
+                                  metrics=public_metrics(item)))
                 if include_usage:
                     yield event(chunk(handle.id, model, created, None, usage=usage(item)))
     except VlscopeError as exc:

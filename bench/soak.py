@@ -169,7 +169,9 @@ def _hostile(client: httpx.Client, url: str, kind: str) -> str:
             "private_url": {"messages": [{"role": "user", "content": [
                 {"type": "image_url", "image_url": {"url": "http://169.254.169.254/latest/meta-data"}}]}]},
             "huge_max_tokens": {"messages": hi, "max_tokens": 1_000_000},
-            "tools": {"messages": hi, "tools": [{"type": "function", "function": {"name": "f"}}]},
+            "tools": {"messages": hi, "tool_choice": "required", "tools": [  # more than any limit, each unresolvable
+                {"type": "function", "function": {"name": f"f{n}", "parameters": {"$ref": "#/nowhere"}}}
+                for n in range(2_000)]},
             "huge_prompt": {"messages": [{"role": "user", "content": "hello world " * 300_000}], "max_tokens": 2},
             "many_images": {"messages": [{"role": "user", "content": [
                 {"type": "image_url", "image_url": {"url": GIF_1X1}}] * 30_000}]},

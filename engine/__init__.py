@@ -7,6 +7,7 @@ from .errors import (
                      InsufficientMemory,
                      InvalidImage,
                      InvalidPrompt,
+                     InvalidSchema,
                      ModelUnavailable,
                      PromptTooLong,
                      VlscopeError,
@@ -15,12 +16,12 @@ from .records.info import EngineInfo
 from .records.metrics import RequestMetrics
 from .records.stages import STAGES, STATUSES
 from .records.store import MetricsStore, open_store, stage_percentiles, to_csv
-from .request import ChatRequest, Queued, StageStarted, TextChunk, Turn
+from .request import ChatRequest, Queued, StageStarted, TextChunk, Tool, ToolCall, Turn
 from .serving import ServingEngine
 
 __all__ = [
     "Answer", "Busy", "ChatRequest", "DEFAULT_MODEL", "DTYPES", "Engine", "EngineConfig", "EngineInfo",
-    "GenerationFailed", "InsufficientMemory", "InvalidImage", "InvalidPrompt", "MetricsStore", "ModelUnavailable",
+    "GenerationFailed", "InsufficientMemory", "InvalidImage", "InvalidPrompt", "InvalidSchema", "MetricsStore", "ModelUnavailable",
     "PromptTooLong", "Queued", "RequestHandle", "RequestMetrics", "SKELETON_DIR", "ServingEngine", "STAGES", "STATUSES",
-    "StageStarted", "TextChunk", "Turn", "VlscopeError", "open_store", "stage_percentiles", "to_csv",
+    "StageStarted", "TextChunk", "Tool", "ToolCall", "Turn", "VlscopeError", "open_store", "stage_percentiles", "to_csv",
 ]

@@ -20,15 +20,16 @@ from PIL import Image
 from .config import EngineConfig
 from .core import compute
 from .core.request_state import RequestState
-from .errors import Busy, GenerationFailed, InvalidImage, InvalidPrompt, PromptTooLong, VlscopeError
+from .errors import Busy, GenerationFailed, InvalidImage, InvalidPrompt, InvalidSchema, PromptTooLong, VlscopeError
 from .inputs.documents import expand_documents
 from .inputs.images import load_request_images
 from .inputs.limits import check_size, check_text, control_tokens
 from .records.info import EngineInfo
 from .records.metrics import RequestMetrics
-from .records.stages import CANCELLED, REFUSED
+from .records.stages import CANCELLED, GRAMMAR, REFUSED
 from .records.store import MetricsStore, open_store
 from .request import ChatRequest, Queued, StageStarted, TextChunk
+from .structured.compiler import GrammarCompiler
 
 log = logging.getLogger(__name__)
 
@@ -75,21 +76,39 @@ class RequestHandle:
 
 
 def take_in(state: RequestState, config: EngineConfig, admit: Callable[[], None],
-            control: tuple[str, ...] = ()) -> None:
+            control: tuple[str, ...] = (), constrain: Callable | None = None) -> None:
     """Intake, the same for the local and the remote engine: the request's size and text checked from counts, its
-    documents expanded into pages, its images read within every limit (`admit()` raising Busy before any is
-    decoded). A refusal is recorded, then raised."""
+    answer's grammar compiled (`constrain(request, config)`, local engine), its documents expanded into pages, its
+    images read within every limit (`admit()` raising Busy before any is decoded). A refusal is recorded, then
+    raised."""
     trace = state.trace
     try:
         check_size(state.request, config)
         check_text(state.request, control)
+        check_structure(state.request)
+        if constrain is not None:
+            with trace.stage(GRAMMAR, announce=False):
+                state.grammar = constrain(state.request, config)
         with trace.loading_images() as clock:
             # A document's pages are counted and sized first, then rendered as each request's images are decoded.
             state.request = expand_documents(state.request, config)
             state.images = load_request_images(state.request, config, admit=admit, clock=clock)
-    except (InvalidImage, InvalidPrompt, PromptTooLong, Busy) as exc:
+    except (InvalidImage, InvalidPrompt, InvalidSchema, PromptTooLong, Busy) as exc:
         trace.finish(REFUSED, exc)
         raise
+
+
+def check_structure(request: ChatRequest) -> None:
+    """What would break a structured answer's promise: an end token it must never ignore, a stop string that could
+    cut it mid-document."""
+    if request.json_schema is None and not request.calls_only:
+        return
+    if request.ignore_eos:
+        raise InvalidPrompt("ignore_eos cannot be combined with a response format or forced tool calls: the answer "
+                            "ends where its JSON does")
+    if request.stop:
+        raise InvalidPrompt("stop strings cannot be combined with a response format or forced tool calls: they could "
+                            "cut the JSON short; use max_tokens to bound the answer")
 
 
 class StreamingMixin:
@@ -135,6 +154,7 @@ class Engine(StreamingMixin):
         self.loaded = self._core.loaded
         self._scheduler = self._core.scheduler
         self._control_tokens = control_tokens(self.loaded.tokenizer)
+        self._grammars = GrammarCompiler(self.loaded.tokenizer, self.loaded.vocab_size, self.loaded.eos_token_ids)
         self._loop = threading.Thread(target=self._run_loop, name="vlscope-engine-loop", daemon=True)
         self._loop.start()
         if self.config.warmup:
@@ -190,7 +210,7 @@ class Engine(StreamingMixin):
         """Validate the text and images and queue the request. Raises InvalidPrompt, InvalidImage or Busy (their
         metrics are recorded)."""
         state = RequestState(request, self.info, self.config, self.store)
-        take_in(state, self.config, self._scheduler.check_room, self._control_tokens)
+        take_in(state, self.config, self._scheduler.check_room, self._control_tokens, self._grammars.for_request)
         state.on_cancel = self._on_cancel
         try:
             self._scheduler.submit(state)

@@ -80,6 +80,12 @@ class EngineConfig:
     max_pdf_pages: int = 8
     # Images (a document counting as one) in one request, its history included: counted before any is decoded.
     max_images: int = 16
+    # Structured answers (response_format, tools): checked and compiled at submit, refused with a 400 over these.
+    max_schema_bytes: int = 64 * 1024  # a response format's schema, or all tools' definitions together
+    max_schema_depth: int = 32  # objects and arrays nested in a schema
+    max_tools: int = 128
+    grammar_compile_seconds: float = 2.0  # a schema whose grammar takes longer to build is refused as too complex
+    grammar_cache_entries: int = 64  # compiled grammars kept, by schema
     # Memory a request may use beyond the weights; 0: whatever the machine has available when it starts.
     memory_limit_bytes: int = 0
     # A remote OpenAI-compatible server instead of a local model (e.g. http://host:8000/v1): vLLM, llama.cpp,
@@ -113,6 +119,8 @@ class EngineConfig:
             raise ValueError("max_queue must be >= 0")
         if self.max_batch < 1:
             raise ValueError("max_batch must be at least 1")
+        if min(self.max_schema_bytes, self.max_schema_depth, self.max_tools) < 1 or self.grammar_compile_seconds <= 0:
+            raise ValueError("max_schema_bytes, max_schema_depth, max_tools and grammar_compile_seconds must be > 0")
         if self.max_pdf_pages < 1 or self.max_images < 1:
             raise ValueError("max_pdf_pages and max_images must be at least 1")
         if self.records_keep_days < 0 or self.records_max_rows < 0:

@@ -26,6 +26,20 @@ class InvalidPrompt(VlscopeError):
     kind = "invalid_prompt"
 
 
+class InvalidSchema(VlscopeError):
+    """A response format or tool the engine cannot hold an answer to: not JSON Schema, a keyword it does not enforce,
+    or over a limit. `kind` names which (invalid_schema, unsupported_schema, schema_too_large, schema_too_complex,
+    too_many_tools)."""
+
+    kind = "invalid_schema"
+
+    def __init__(self, message: str, kind: str | None = None, about: str = "response_format"):
+        super().__init__(message)
+        if kind is not None:
+            self.kind = kind
+        self.about = about  # the part of the request at fault: response_format or tools
+
+
 class InsufficientMemory(VlscopeError):
     kind = "insufficient_memory"
 

@@ -21,6 +21,7 @@ from .errors import (
     Busy,
     GenerationFailed,
     InvalidImage,
+    InvalidSchema,
     ModelUnavailable,
     PromptTooLong,
     VlscopeError,
@@ -31,8 +32,20 @@ from .records.info import EngineInfo
 from .records.store import MetricsStore, open_store
 from .records.stages import CANCELLED, DECODE, ERROR, OK, REFUSED, SERVER_FIRST_TOKEN, UPLOAD
 from .records.trace import RequestTrace
+from .structured.compiler import check_schema
 
 log = logging.getLogger(__name__)
+
+
+def _constrain(request: ChatRequest, config: EngineConfig) -> None:
+    """A schema goes on to the remote server as its response format; calls would come back in a form this client
+    does not read yet, so tools are refused."""
+    if request.tools and request.tool_choice != "none":
+        raise InvalidSchema("tools are not available through a remote backend: send them to the remote server "
+                            "directly", "unsupported_schema", "tools")
+    if request.json_schema is not None:
+        check_schema(request.json_schema, "the response format's schema", config.max_schema_depth)
+    return None
 
 
 class RemoteEngine(StreamingMixin):
@@ -79,7 +92,7 @@ class RemoteEngine(StreamingMixin):
 
     def submit(self, request: ChatRequest) -> RequestHandle:
         state = RequestState(request, self.info, self.config, self.store)
-        take_in(state, self.config, self._check_room)
+        take_in(state, self.config, self._check_room, constrain=_constrain)
         try:
             with self._lock:
                 self._check_room()
@@ -132,6 +145,9 @@ class RemoteEngine(StreamingMixin):
             body["ignore_eos"] = True  # understood by vLLM, llama.cpp and vlscope
         if request.stop:
             body["stop"] = list(request.stop)
+        if request.json_schema is not None:  # the remote server holds its answer to the schema
+            body["response_format"] = {"type": "json_schema", "json_schema": {
+                "name": "answer", "schema": json.loads(request.json_schema), "strict": True}}
         if request.seed is not None:
             body["seed"] = request.seed
         if request.logit_bias:

@@ -10,12 +10,36 @@ ImageSource = Union[str, Path, bytes, Any]
 
 
 @dataclass(frozen=True)
-class Turn:
-    """One earlier message of a conversation. User turns may carry the images they were about."""
+class ToolCall:
+    """A function call an assistant turn made: its arguments as the JSON text the model wrote."""
 
-    role: str  # "system", "user" or "assistant"
+    name: str
+    arguments: str
+    id: str = ""
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A function the model may call: `parameters` is its JSON Schema, as JSON text."""
+
+    name: str
+    description: str = ""
+    parameters: str = '{"type": "object"}'
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One earlier message of a conversation. User turns may carry the images they were about; assistant turns the
+    calls they made; tool turns carry a call's result."""
+
+    role: str  # "system", "user", "assistant" or "tool"
     text: str
     images: tuple[ImageSource, ...] = ()
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str = ""
+
+
+TOOL_CHOICES = ("none", "auto", "required")  # or a tool's name: that function is called, once
 
 
 @dataclass(frozen=True)
@@ -37,11 +61,24 @@ class ChatRequest:
     frequency_penalty: float = 0.0  # times how often it is in the answer
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     top_logprobs: int | None = None  # None: no log probabilities; 0-20: the chosen token's and that many others'
+    # The answer is JSON valid against this JSON Schema (JSON text); '{"type": "object"}' asks for any JSON object.
+    json_schema: str | None = None
+    tools: tuple[Tool, ...] = ()  # functions offered to the model, in its prompt
+    tool_choice: str = "auto"  # TOOL_CHOICES or a tool's name; required and a name constrain the answer to calls
+    parallel_tool_calls: bool = True
+    prompt_role: str = "user"  # "tool": the prompt is a call's result, to which the model answers
 
     def __post_init__(self) -> None:
         for turn in self.history:
-            if turn.role not in ("system", "user", "assistant"):
-                raise ValueError(f"turn role must be 'system', 'user' or 'assistant', not {turn.role!r}")
+            if turn.role not in ("system", "user", "assistant", "tool"):
+                raise ValueError(f"turn role must be 'system', 'user', 'assistant' or 'tool', not {turn.role!r}")
+        if self.prompt_role not in ("user", "tool"):
+            raise ValueError(f"prompt_role must be 'user' or 'tool', not {self.prompt_role!r}")
+
+    @property
+    def calls_only(self) -> bool:
+        """The answer must be tool calls: tool_choice is required or names a function."""
+        return bool(self.tools) and self.tool_choice not in ("none", "auto")
 
 
 @dataclass(frozen=True)

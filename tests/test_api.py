@@ -126,8 +126,9 @@ def test_openai_client_conventions(server, images_dir):
     assert all(c.usage is None for c in chunks[:-1]) and chunks[-2].choices[0].finish_reason == "length"
     assert len({c.created for c in chunks}) == 1 and chunks[0].model == entry.id
 
-    refused = [({"n": 2}, "n"), ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-               ({"response_format": {"type": "json_object"}}, "response_format"), ({"stream": "false"}, "stream"),
+    refused = [({"n": 2}, "n"), ({"tools": [{"type": "function", "function": {"name": "f g"}}]},
+                                  "tools[0].function.name"),
+               ({"response_format": {"type": "xml"}}, "response_format.type"), ({"stream": "false"}, "stream"),
                ({"stream_options": "yes"}, "stream_options"), ({"temperature": float("nan")}, "temperature")]
     for extra, param in refused:
         response = httpx.post(f"{url}/v1/chat/completions", json={

@@ -130,7 +130,7 @@ def test_the_app_reads_its_settings_from_st_secrets(tiny_model, tmp_path, monkey
 
 # The engine's parts, lowest first: a part imports its own modules and those of parts below it, never one above.
 # The face (engine/*.py) imports any part; a part imports of the face only its leaves, which import no part.
-ENGINE_PARTS = ("inputs", "records", "kernels", "model", "core")
+ENGINE_PARTS = ("inputs", "records", "kernels", "model", "structured", "core")
 FACE_LEAVES = {"engine.config", "engine.environment", "engine.errors", "engine.request"}
 
 

@@ -15,6 +15,7 @@ from ..inputs.preprocess import image_grids, ocr_pictures, patchify_images, prep
 from ..kernels.direct_step import DirectDecodeStep
 from ..model.generate import ChunkedPrefill, VisionEncoding, attach_step, prefill_text
 from ..records.metrics import PeakRss
+from ..structured.matcher import GrammarMatcher
 from ..records.stages import CANCELLED, DECODE, DETOKENIZE, ERROR, OCR_ENHANCE, PREFILL, PREPROCESS, REFUSED, \
     VISION_ENCODE
 from .output import SequenceOutput
@@ -179,13 +180,14 @@ class Admission:
             generator=core.generator if request.seed is None else torch.Generator().manual_seed(request.seed),
             presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
             logit_bias=request.logit_bias, top_logprobs=request.top_logprobs,
+            grammar=GrammarMatcher(state.grammar, core.loaded.vocab_size) if state.grammar is not None else None,
         )
         with trace.stage(PREFILL, announce=False):
             token = sampler(logits)
         stop_ids = set() if request.ignore_eos else set(core.loaded.eos_token_ids)
         output = SequenceOutput(core.loaded.tokenizer, request.stop, stop_ids, state.events.put, sampler.logprobs)
         with trace.stage(DETOKENIZE, announce=False):
-            output.take(token)
+            output.take(token, complete=sampler.done)
         trace.first_token()
         self.rss.stop()
         state.decoding = Decoding(decode_state, sampler, output, self.prepared.keys, self.spans, token,

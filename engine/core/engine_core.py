@@ -24,7 +24,7 @@ from ..model.loading import LoadedModel, load_model
 from ..model.memory_pages import back_with_huge_pages, huge_pages_pay
 from ..records.info import EngineInfo
 from ..records.metrics import current_rss
-from ..records.stages import CANCELLED, DETOKENIZE, ERROR, OK
+from ..records.stages import CANCELLED, DETOKENIZE, ERROR, GRAMMAR, OK
 from .admission import Admission
 from .prefix_cache import CachedSequence, PrefixCache
 from .request_state import FINISHED, RequestState
@@ -109,6 +109,7 @@ class EngineCore:
         cancelled or failed), each with its record."""
         ended = [state for state in states if state.cancelled.is_set()]
         live = [state for state in states if state not in ended]
+        errors: dict[RequestState, GenerationFailed] = {}
         if live:
             started = time.perf_counter()
             try:
@@ -127,13 +128,19 @@ class EngineCore:
                 trace, decoding = state.trace, state.decoding
                 trace.decoded(elapsed, len(live))
                 decoding.rss[1] = max(decoding.rss[1], rss)
-                decoding.token = decoding.sampler(logits[row:row + 1])
+                try:
+                    decoding.token = decoding.sampler(logits[row:row + 1])
+                except GenerationFailed as exc:  # its grammar refused every token: its answer ends, not the batch
+                    log.error("request %s: %s", state.id, exc)
+                    errors[state] = exc
+                    ended.append(state)
+                    continue
                 with trace.stage(DETOKENIZE, announce=False):
-                    decoding.output.take(decoding.token)
+                    decoding.output.take(decoding.token, complete=decoding.sampler.done)
                 if decoding.output.stopped or decoding.output.tokens >= trace.max_new_tokens:
                     ended.append(state)
         for state in ended:
-            self.finish(state)
+            self.finish(state, errors.get(state))
         return ended
 
     def _next_logits(self, states: list[RequestState]) -> torch.Tensor:
@@ -160,6 +167,9 @@ class EngineCore:
                                                      decoding.spans))
         except Exception:
             log.exception("request %s: its cache could not be kept", state.id)
+        grammar, decoding.sampler.grammar = decoding.sampler.grammar, None  # a finished answer holds no matcher
+        if grammar is not None:
+            trace.add(GRAMMAR, grammar.seconds)
         output = decoding.output
         output.finish()
         trace.output_tokens = output.tokens

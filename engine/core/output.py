@@ -79,15 +79,17 @@ class SequenceOutput:
         self.shown_logprobs = 0
         self.ended = False  # an end token came (it is not part of the answer)
 
-    def take(self, token: int) -> bool:
-        """One sampled token; True once the answer is over (an end token or a stop string)."""
+    def take(self, token: int, complete: bool = False) -> bool:
+        """One sampled token; True once the answer is over (an end token, a stop string, or `complete`: its grammar
+        allows nothing more, so no step is spent on the end token)."""
         if token in self.stop_ids:
             self.ended = True
             return True
         self.tokens += 1
         self.detokenizer.push(token)
         self._show(self.stops.release(self.detokenizer.text))
-        return self.stops.hit
+        self.ended = complete
+        return self.stops.hit or complete
 
     def finish(self) -> None:
         """The answer is over: release what was held back."""

@@ -43,6 +43,7 @@ class RequestState:
         self.cancelled = threading.Event()
         self.finished = threading.Event()  # its final record is posted: it no longer counts as running
         self.status = WAITING
+        self.grammar = None  # structured.compiler.CompiledGrammar its answer must follow, set at submit
         self.admission = None  # core.admission.Admission while its pieces run
         self.decoding: Decoding | None = None  # once its first token exists
         self.waiting_for_memory = False  # admitted, waiting for the running answers to leave it room

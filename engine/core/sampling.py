@@ -41,7 +41,8 @@ class TokenLogprob:
 class Sampler:
     """One request's choice of the next token: logit bias, presence and frequency penalties over the tokens it has
     generated, then greedy or temperature/top-p `sample`. With `top_logprobs` set (0 to 20) it also keeps each
-    chosen token's log probability and the most likely alternatives, from the logits it chose on."""
+    chosen token's log probability and the most likely alternatives, from the logits it chose on. With a `grammar`,
+    tokens it does not allow are masked out before the choice, in greedy and sampled decoding alike."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -50,6 +51,7 @@ class Sampler:
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     top_logprobs: int | None = None
+    grammar: object | None = None  # structured.matcher.GrammarMatcher: what the answer may be, token by token
     counts: dict[int, int] = field(default_factory=dict)
     logprobs: list[TokenLogprob] = field(default_factory=list)
 
@@ -62,11 +64,21 @@ class Sampler:
             ids = torch.tensor(list(self.counts))
             seen = torch.tensor(list(self.counts.values()), dtype=torch.float32)
             logits[ids] -= self.presence_penalty + self.frequency_penalty * seen
+        if self.grammar is not None:
+            self.grammar.restrict(logits)
         token = _choose(logits, self.temperature, self.top_p, self.generator)
+        if self.grammar is not None:
+            self.grammar.accept(token)
         if self.top_logprobs is not None:
             log_probs = torch.log_softmax(logits, dim=-1)
             top = torch.topk(log_probs, self.top_logprobs) if self.top_logprobs else None
             self.logprobs.append(TokenLogprob(token, float(log_probs[token]), tuple(
-                zip(top.indices.tolist(), top.values.tolist())) if top is not None else ()))
+                (index, value) for index, value in zip(top.indices.tolist(), top.values.tolist())
+                if value != float("-inf")) if top is not None else ()))  # tokens the grammar ruled out are not shown
         self.counts[token] = self.counts.get(token, 0) + 1
         return token
+
+    @property
+    def done(self) -> bool:
+        """The answer's grammar is complete: only an end token could follow."""
+        return self.grammar is not None and self.grammar.done

@@ -31,10 +31,18 @@ def max_messages(config) -> int:
     return config.max_input_tokens // MIN_TOKENS_PER_MESSAGE
 
 
+def request_texts(request) -> list[str]:
+    """Every text the prompt will carry: the messages, the calls earlier turns made, and the tools offered."""
+    texts = [request.prompt] + [turn.text for turn in request.history]
+    texts += [part for turn in request.history for call in turn.tool_calls for part in (call.name, call.arguments)]
+    texts += [part for tool in request.tools for part in (tool.name, tool.description, tool.parameters)]
+    return texts
+
+
 def check_size(request, config) -> None:
     """Refuse, from counts alone and before any tokenizing or decoding, a request whose text, messages or images
     cannot fit: what a huge prompt would otherwise cost is paid before the limit could refuse it."""
-    chars = len(request.prompt) + sum(len(turn.text) for turn in request.history)
+    chars = sum(len(text) for text in request_texts(request))
     limit = config.max_input_tokens * MAX_CHARS_PER_TOKEN
     if chars > limit:
         raise PromptTooLong(f"The text is {chars:,} characters; no text over {limit:,} fits the prompt limit of "
@@ -51,7 +59,7 @@ def check_size(request, config) -> None:
 def check_text(request, tokens: tuple[str, ...]) -> None:
     """Refuse, before any work, text that carries a control token: typed into a prompt, `<|im_end|>` would end the
     user's turn and `<|image_pad|>` would claim an image."""
-    for text in [request.prompt] + [turn.text for turn in request.history]:
+    for text in request_texts(request):
         found = next((token for token in tokens if token in text), None)
         if found is not None:
             raise InvalidPrompt(f"The text contains {found!r}, one of the model's control tokens, which only the chat "

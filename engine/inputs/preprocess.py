@@ -1,6 +1,7 @@
 """From a conversation to model inputs: chat template, token ids with image placeholders, normalised patches."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,30 +29,48 @@ def clean_text(text: str) -> str:
     return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
 
 
-def chat_messages(history, prompt: str, image_counts: list[int]) -> list[dict]:
-    """OpenAI-style messages for the chat template. image_counts gives, per user turn in order, its image count."""
+def chat_messages(history, prompt: str, image_counts: list[int], prompt_role: str = "user") -> list[dict]:
+    """OpenAI-style messages for the chat template. image_counts gives, per user turn in order, its image count;
+    the prompt is a user's message, or (`prompt_role` "tool") the result of a call the last turn made."""
     messages = []
     counts = iter(image_counts)
     for turn in history:
         text = clean_text(turn.text)
         if turn.role == "user":
             content = [{"type": "image"}] * next(counts) + [{"type": "text", "text": text}]
-        elif turn.role == "system":
+        elif turn.role in ("system", "tool"):
             content = text
         else:
-            content = [{"type": "text", "text": text}]
-        messages.append({"role": turn.role, "content": content})
-    messages.append({"role": "user", "content": [{"type": "image"}] * next(counts)
-                     + [{"type": "text", "text": clean_text(prompt)}]})
+            content = [{"type": "text", "text": text}] if text else ""
+        message = {"role": turn.role, "content": content}
+        if turn.tool_calls:
+            message["tool_calls"] = [{"type": "function", "function": {"name": clean_text(call.name),
+                                                                        "arguments": clean_text(call.arguments)}}
+                                     for call in turn.tool_calls]
+        messages.append(message)
+    if prompt_role == "tool":
+        messages.append({"role": "tool", "content": clean_text(prompt)})
+    else:
+        messages.append({"role": "user", "content": [{"type": "image"}] * next(counts)
+                         + [{"type": "text", "text": clean_text(prompt)}]})
     return messages
 
 
-def tokenize_prompt(tokenizer, messages: list[dict], resized_sizes: list[tuple[int, int]], image_token_id: int) -> PromptTokens:
+def template_tools(tools) -> list[dict] | None:
+    """The tools as the chat template lists them, OpenAI's function definitions; None when there are none."""
+    if not tools:
+        return None
+    return [{"type": "function", "function": {"name": tool.name, "description": tool.description,
+                                              "parameters": json.loads(tool.parameters)}} for tool in tools]
+
+
+def tokenize_prompt(tokenizer, messages: list[dict], resized_sizes: list[tuple[int, int]], image_token_id: int,
+                    tools: list[dict] | None = None) -> PromptTokens:
     """Apply the chat template, then widen each image placeholder to that image's number of vision tokens.
 
     Widening in id space (not by repeating the placeholder string) keeps tokenization cost independent of image size.
     """
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
     ids = np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
     placeholder_positions = np.flatnonzero(ids == image_token_id)
     if len(placeholder_positions) != len(resized_sizes):
@@ -106,8 +125,10 @@ def prepare_input(job, pictures: list, loaded, config, context_length: int) -> P
     request = job.request
     sizes = [fit_to_budget(*picture.size, config.min_pixels, config.max_pixels) for picture in pictures]
     image_counts = [len(turn.images) for turn in request.history if turn.role == "user"]
-    messages = chat_messages(request.history, request.prompt, image_counts + [len(request.images)])
-    prompt = tokenize_prompt(loaded.tokenizer, messages, sizes, loaded.image_token_id)
+    messages = chat_messages(request.history, request.prompt, image_counts + [len(request.images)],
+                             request.prompt_role)
+    tools = template_tools(request.tools if request.tool_choice != "none" else ())
+    prompt = tokenize_prompt(loaded.tokenizer, messages, sizes, loaded.image_token_id, tools)
     trace = job.trace
     trace.resized_sizes = tuple(sizes)
     trace.vision_tokens = sum(vision_token_count(size) for size in sizes)

@@ -62,6 +62,11 @@ class LoadedModel:
     decode_weight_bytes: int = 0  # bytes of weights one decode step reads: the language model's Linears and head
     notes: tuple[str, ...] = ()  # kernels this CPU cannot serve and what runs instead, one line each
 
+    @property
+    def vocab_size(self) -> int:
+        """Columns of the logits: the tokenizer's tokens and the head's padding past them."""
+        return int(self.model.config.get_text_config().vocab_size)
+
 
 def has_weights(folder: Path) -> bool:
     return any(p.suffix in WEIGHT_SUFFIXES for p in folder.iterdir() if p.is_file())

@@ -11,8 +11,9 @@ PREFILL = "prefill"
 SERVER_FIRST_TOKEN = "server_first_token"  # remote engine: the server's vision, prefill and first token, as seen
 DECODE = "decode"
 DETOKENIZE = "detokenize"
+GRAMMAR = "grammar"  # a structured answer's grammar: compiled at submit, then each token's mask
 STAGES = (LOAD_IMAGES, RENDER_PAGES, UPLOAD, OCR_ENHANCE, PREPROCESS, VISION_ENCODE, PREFILL, SERVER_FIRST_TOKEN, DECODE,
-          DETOKENIZE)
+          DETOKENIZE, GRAMMAR)
 QUEUE_WAIT = "queue_wait"  # not a stage of the record's `stages`: its own field, shown beside them in charts
 
 # ok; cancelled (by the caller); error; refused (bad input, busy, too long or too big, before any model compute);

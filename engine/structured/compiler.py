@@ -1,0 +1,213 @@
+"""A request's response format or forced tool calls to a compiled grammar (llguidance), checked against the limits
+and compiled at submit, on the caller's thread, so a bad schema is a refusal before the request queues. Compiled
+grammars are kept by schema; each sequence matches with its own copy (structured/matcher.py)."""
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import jsonschema
+import llguidance
+from llguidance import LLMatcher
+
+from ..errors import InvalidSchema
+from ..request import ChatRequest, Tool
+
+# One space after ':' and ',' and none elsewhere: the style the model writes JSON in (and its tool calls), with no
+# runs of whitespace for weak weights to wander into.
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+ANY_OBJECT = '{"type": "object"}'
+# Bounds on building a grammar's lexer and parser, well above any schema under the byte limit that compiles in time.
+LIMITS = dict(initial_lexer_fuel=2_000_000, max_grammar_size=500_000, max_lexer_states=250_000)
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+
+
+@dataclass(frozen=True)
+class CompiledGrammar:
+    """A grammar ready to match: `matcher` stays at the start, each sequence takes a deep copy."""
+
+    matcher: LLMatcher
+    what: str  # "json_schema" or "tool_calls"
+
+
+def _depth(value) -> int:
+    """How deeply objects and arrays nest in a parsed JSON value, without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in item.values())
+        elif isinstance(item, list):
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in item)
+    return deepest
+
+
+def check_schema(text: str, what: str, max_depth: int) -> dict:
+    """A schema (JSON text) parsed and held to JSON Schema's own schema; InvalidSchema names what is wrong."""
+    try:
+        schema = json.loads(text)
+    except (ValueError, RecursionError):
+        raise InvalidSchema(f"{what} is not valid JSON") from None
+    if not isinstance(schema, (dict, bool)):
+        raise InvalidSchema(f"{what} must be a JSON Schema object")
+    if _depth(schema) > max_depth:
+        raise InvalidSchema(f"{what} nests objects and arrays more than {max_depth} deep (VLSCOPE_MAX_SCHEMA_DEPTH)",
+                            "schema_too_complex")
+    try:
+        jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        where = "/".join(str(part) for part in exc.path)
+        raise InvalidSchema(f"{what} is not a valid JSON Schema: {exc.message[:300]}"
+                            + (f" (at {where})" if where else "")) from None
+    return schema
+
+
+def tool_call_lark(tools: tuple[Tool, ...], choice: str, parallel: bool, open_id: int | None,
+                   close_id: int | None) -> str:
+    """Calls in the model's own format, `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, each name
+    with its parameters' schema: one call when a function is named or calls may not run in parallel."""
+    chosen = [tool for tool in tools if choice in ("required", tool.name)]
+    opening = f"<[{open_id}]>" if open_id is not None else json.dumps(TOOL_CALL_OPEN)
+    closing = f"<[{close_id}]>" if close_id is not None else json.dumps(TOOL_CALL_CLOSE)
+    bodies = []
+    for index, tool in enumerate(chosen):
+        body = {"type": "object", "properties": {"name": {"const": tool.name},
+                                                 "arguments": json.loads(tool.parameters)},
+                "required": ["name", "arguments"], "additionalProperties": False, "x-guidance": JSON_STYLE}
+        bodies.append(f"call_{index}: %json {json.dumps(body)}")
+    calls = " | ".join(f"call_{index}" for index in range(len(chosen)))
+    repeat = ' ("\\n" call)*' if parallel and choice == "required" else ""
+    return "\n".join([f"start: call{repeat}", f'call: {opening} "\\n" ({calls}) "\\n" {closing}', *bodies])
+
+
+class GrammarCompiler:
+    """Compiles and keeps the grammars of one model's tokenizer. The tokenizer's grammar tables are built on first
+    use (about a second), not at load: a server nobody asks for JSON never pays for them."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_ids: tuple[int, ...]):
+        self._hf_tokenizer, self._vocab_size, self._eos_ids = tokenizer, vocab_size, eos_ids
+        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[tuple, CompiledGrammar | InvalidSchema] = OrderedDict()
+        vocab = tokenizer.get_vocab()
+        self._tool_ids = (vocab.get(TOOL_CALL_OPEN), vocab.get(TOOL_CALL_CLOSE))
+
+    @property
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        with self._lock:
+            if self._tokenizer is None:
+                self._tokenizer = llguidance.LLTokenizer(self._hf_tokenizer.backend_tokenizer.to_str(),
+                                                         n_vocab=self._vocab_size, eos_token=list(self._eos_ids))
+            return self._tokenizer
+
+    def for_request(self, request: ChatRequest, config) -> CompiledGrammar | None:
+        """The grammar the request's answer must follow (None: free text), from the cache or compiled now.
+        Raises InvalidSchema for a schema or tool set the engine cannot hold an answer to."""
+        if request.json_schema is not None and request.calls_only:
+            raise InvalidSchema("a response format and a forced tool call exclude each other: the answer is either "
+                                "JSON or calls", "invalid_schema")
+        if request.tools:
+            try:
+                check_tools(request.tools, config)
+            except InvalidSchema as exc:
+                exc.about = "tools"
+                raise
+        if request.json_schema is not None:
+            key = ("json_schema", request.json_schema)
+        elif request.calls_only:
+            key = ("tool_calls", request.tools, request.tool_choice, request.parallel_tool_calls)
+        else:
+            return None
+        with self._lock:
+            found = self._cache.get(key)
+            if found is not None:
+                self._cache.move_to_end(key)
+        if found is None:
+            try:
+                found = self._compile(key, config)
+            except InvalidSchema as exc:
+                exc.about = "response_format" if key[0] == "json_schema" else "tools"
+                found = exc
+            with self._lock:
+                self._cache[key] = found
+                while len(self._cache) > config.grammar_cache_entries:
+                    self._cache.popitem(last=False)
+        if isinstance(found, InvalidSchema):
+            raise InvalidSchema(found.message, found.kind, found.about)
+        return found
+
+    def _compile(self, key: tuple, config) -> CompiledGrammar:
+        if key[0] == "json_schema":
+            text = key[1]
+            if len(text.encode()) > config.max_schema_bytes:
+                raise InvalidSchema(f"the response format's schema is {len(text.encode()):,} bytes, over the "
+                                    f"{config.max_schema_bytes:,} allowed (VLSCOPE_MAX_SCHEMA_BYTES)",
+                                    "schema_too_large")
+            check_schema(text, "the response format's schema", config.max_schema_depth)
+            grammar = LLMatcher.grammar_from_json_schema(text, overrides=JSON_STYLE)
+        else:
+            _, tools, choice, parallel = key
+            grammar = LLMatcher.grammar_from_lark(tool_call_lark(tools, choice, parallel, *self._tool_ids))
+        return self._build(grammar, key[0], config.grammar_compile_seconds)
+
+    def _build(self, grammar: str, what: str, limit_s: float) -> CompiledGrammar:
+        tokenizer = self.tokenizer
+        started = time.perf_counter()
+        matcher = LLMatcher(tokenizer, grammar, log_level=0,
+                            limits=llguidance.LLParserLimits(**LIMITS, verbose_errors=False))
+        if not matcher.is_error():
+            matcher.compute_bitmask()  # the lexer is built on the first mask: count it in the compile
+        seconds = time.perf_counter() - started
+        if matcher.is_error():
+            raise _refusal(matcher.get_error(), what)
+        if seconds > limit_s:
+            raise InvalidSchema(f"the {what.replace('_', ' ')} grammar took {seconds:.1f} s to build, over the "
+                                f"{limit_s:g} s allowed (VLSCOPE_GRAMMAR_COMPILE_SECONDS): simplify the schema",
+                                "schema_too_complex")
+        return CompiledGrammar(matcher, what)
+
+
+def check_tools(tools: tuple[Tool, ...], config) -> None:
+    """Tool count, total size, unique names and each parameters schema, before any grammar is built."""
+    if len(tools) > config.max_tools:
+        raise InvalidSchema(f"{len(tools)} tools; at most {config.max_tools} per request (VLSCOPE_MAX_TOOLS)",
+                            "too_many_tools")
+    size = sum(len(tool.name) + len(tool.description.encode()) + len(tool.parameters.encode()) for tool in tools)
+    if size > config.max_schema_bytes:
+        raise InvalidSchema(f"the tools' definitions are {size:,} bytes, over the {config.max_schema_bytes:,} allowed "
+                            "(VLSCOPE_MAX_SCHEMA_BYTES)", "too_many_tools")
+    names = [tool.name for tool in tools]
+    if len(set(names)) != len(names):
+        raise InvalidSchema("two tools share a name: each function needs its own", "invalid_schema")
+    for tool in tools:
+        check_schema(tool.parameters, f"the parameters of tool {tool.name!r}", config.max_schema_depth)
+
+
+UNIMPLEMENTED = re.compile(r"Unimplemented keys: \[([^\]]*)\]")
+
+
+def _refusal(error: str, what: str) -> InvalidSchema:
+    """llguidance's error as a refusal that says what the client can change."""
+    subject = "the response format's schema" if what == "json_schema" else "a tool's parameters schema"
+    unimplemented = UNIMPLEMENTED.search(error)
+    if unimplemented:
+        keys = unimplemented.group(1).replace('"', "")
+        return InvalidSchema(f"{subject} uses {keys}, which this server does not enforce: remove it, or the answer "
+                             "could break it", "unsupported_schema")
+    unknown_format = re.search(r"Unknown format: (\S+)", error)
+    if unknown_format:
+        return InvalidSchema(f"{subject} uses format {unknown_format.group(1)!r}, which this server does not enforce",
+                             "unsupported_schema")
+    if "does not exist" in error or "$ref" in error or "not present in a registry" in error:
+        return InvalidSchema(f"{subject} has a $ref that does not resolve: {error.splitlines()[0][:300]}",
+                             "invalid_schema")
+    if "limit" in error.lower() or "fuel" in error.lower() or "too" in error.lower():
+        return InvalidSchema(f"{subject} is too complex to enforce: {error.splitlines()[0][:300]}",
+                             "schema_too_complex")
+    return InvalidSchema(f"{subject} cannot be enforced: {error.splitlines()[0][:300]}", "invalid_schema")
