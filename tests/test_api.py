@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import base64
+import json
 import os
 import subprocess
 import sys
@@ -280,3 +281,78 @@ def test_control_tokens_in_a_message_get_400_not_500(server):
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error" and error["code"] == "invalid_prompt"
     assert "<|image_pad|>" in error["message"]
+
+
+def test_structured_answers_and_tool_calls_through_the_openai_sdk(server):
+    """chat.completions.parse with a Pydantic model, a streamed named call the SDK assembles, a required call and the
+    follow-up turn that answers it; schema faults are 400s naming the field, recorded by kind."""
+    from typing import Literal
+
+    import jsonschema
+    from pydantic import BaseModel, Field
+
+    url, db = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    model = client.models.list().data[0].id
+
+    class Invoice(BaseModel):
+        document_type: Literal["invoice", "receipt", "letter"]
+        paid: bool
+        total: int = Field(ge=0, le=99_999)
+        vendor: str = Field(max_length=20)
+
+    ask = [{"role": "user", "content": "Read the invoice"}]
+    for temperature in (0.0, 1.0):
+        parsed = client.chat.completions.parse(model=model, messages=ask, response_format=Invoice, max_tokens=120,
+                                               temperature=temperature, seed=5)
+        assert parsed.choices[0].finish_reason == "stop"
+        assert isinstance(parsed.choices[0].message.parsed, Invoice)
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9},
+                                               "tags": {"type": "array", "items": {"enum": ["a", "b"]},
+                                                        "maxItems": 3}},
+              "required": ["n", "tags"], "additionalProperties": False}
+    streamed = list(client.chat.completions.create(
+        model=model, messages=ask, stream=True, max_tokens=80,
+        response_format={"type": "json_schema", "json_schema": {"name": "counts", "schema": schema}}))
+    assert streamed[-1].choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads("".join(c.choices[0].delta.content or "" for c in streamed)), schema)
+
+    weather = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                                "unit": {"enum": ["celsius", "fahrenheit"]}},
+               "required": ["city", "unit"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "The weather now",
+                                               "parameters": weather}},
+             {"type": "function", "function": {"name": "noop", "parameters": {"type": "object", "properties": {},
+                                                                              "additionalProperties": False}}}]
+    question = [{"role": "user", "content": "What is the weather in Paris?"}]
+    with client.chat.completions.stream(model=model, messages=question, tools=tools, max_tokens=100,
+                                        tool_choice={"type": "function", "function": {"name": "get_weather"}}) as stream:
+        final = stream.get_final_completion()
+    (call,) = final.choices[0].message.tool_calls
+    assert final.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), weather)
+
+    answer = client.chat.completions.create(model=model, messages=question, tools=tools, tool_choice="required",
+                                            parallel_tool_calls=False, max_tokens=100).choices[0]
+    assert answer.finish_reason == "tool_calls" and len(answer.message.tool_calls) == 1
+    follow_up = question + [answer.message.model_dump(exclude_none=True),
+                            {"role": "tool", "tool_call_id": answer.message.tool_calls[0].id, "content": "18 C"}]
+    after = client.chat.completions.create(model=model, messages=follow_up, tools=tools, max_tokens=5).choices[0]
+    assert after.finish_reason == "length" and after.message.tool_calls is None and after.message.content
+
+    faults = [
+        (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "object", "unevaluatedProperties": False}}}), "response_format", "unsupported_schema"),
+        (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/a"}}}),
+         "response_format", "invalid_schema"),
+        (dict(tools=[{"type": "function", "function": {"name": f"f{n}"}} for n in range(200)], tool_choice="auto"),
+         "tools", "too_many_tools"),
+        (dict(tools=tools, tool_choice={"type": "function", "function": {"name": "elsewhere"}}), "tool_choice",
+         "invalid_value"),
+    ]
+    for extra, param, code in faults:
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(model=model, messages=question, max_tokens=5, **extra)
+        assert (caught.value.body["param"], caught.value.body["code"]) == (param, code), caught.value.body
+    kinds = {record.error_type for record in MetricsStore(str(db)).recent(200) if record.status == "refused"}
+    assert {"unsupported_schema", "invalid_schema", "too_many_tools", "invalid_value"} <= kinds

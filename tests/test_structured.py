@@ -1,0 +1,170 @@
+"""Structured answers on the tiny model: every answer that stops is JSON valid against its schema, every cut one a
+JSON prefix, in greedy and sampled decoding, every precision and both decode steps, batched; bad schemas and tool sets
+are refused before the request queues, by kind; a cancel frees the matcher."""
+from __future__ import annotations
+
+import gc
+import json
+
+import jsonschema
+import pytest
+
+from api.tool_calls import ToolCallParser, split_calls
+from engine import ChatRequest, InvalidPrompt, InvalidSchema, MetricsStore, TextChunk, Tool
+from engine.records.stages import GRAMMAR, REFUSED
+from engine.structured.matcher import live_matchers
+
+from .json_prefix import is_json_prefix
+
+# Bounded schemas: with synthetic weights a string ends only where its schema bounds it.
+SCHEMAS = [
+    {"type": "object", "properties": {
+        "document_type": {"enum": ["invoice", "receipt", "letter", "form"]},
+        "paid": {"type": "boolean"},
+        "total": {"type": "integer", "minimum": 0, "maximum": 10000},
+        "vendor": {"type": "string", "maxLength": 12}},
+     "required": ["document_type", "paid", "total", "vendor"], "additionalProperties": False},
+    {"type": "array", "items": {"type": "integer", "minimum": -5, "maximum": 5}, "minItems": 1, "maxItems": 4},
+    {"$defs": {"line": {"type": "object", "properties": {"qty": {"type": "integer", "minimum": 1, "maximum": 9},
+                                                          "unit": {"enum": ["kg", "pcs"]}},
+                        "required": ["qty", "unit"], "additionalProperties": False}},
+     "type": "object", "properties": {"lines": {"type": "array", "items": {"$ref": "#/$defs/line"}, "maxItems": 3}},
+     "required": ["lines"], "additionalProperties": False},
+    {"anyOf": [{"type": "boolean"}, {"enum": ["yes", "no"]},
+               {"type": "object", "properties": {"n": {"type": "number", "minimum": 0, "maximum": 1}},
+                "required": ["n"], "additionalProperties": False}]},
+    {"type": "object", "properties": {"date": {"type": "string", "format": "date"},
+                                      "code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"}},
+     "required": ["date", "code"], "additionalProperties": False},
+]
+
+
+def _run_all(engine, requests):
+    """Submit every request at once (they decode together in batches) and collect (text, metrics) for each."""
+    handles = [engine.submit(request) for request in requests]
+    results = []
+    for handle in handles:
+        text, metrics = "", None
+        for event in handle.events():
+            if isinstance(event, TextChunk):
+                text += event.text
+            else:
+                metrics = event if hasattr(event, "finish_reason") else metrics
+        results.append((text, metrics))
+    return results
+
+
+def _check(schema, text, finish_reason):
+    if finish_reason == "stop":
+        jsonschema.validate(json.loads(text), schema, format_checker=jsonschema.FormatChecker())
+    else:
+        assert finish_reason == "length" and is_json_prefix(text), (text, finish_reason)
+
+
+@pytest.mark.parametrize("dtype,kernels", [("float32", "packed"), ("bfloat16", "packed"), ("int8", "packed"),
+                                           ("float32", "plain")])
+def test_finished_answers_validate_and_cut_ones_are_json_prefixes(make_engine, dtype, kernels):
+    engine = make_engine(dtype=dtype, kernels=kernels, max_batch=4, max_queue=32)
+    requests = [ChatRequest(prompt=f"Read the document {index}", json_schema=json.dumps(schema),
+                            max_new_tokens=limit, temperature=temperature, seed=index)
+                for index, schema in enumerate(SCHEMAS) for temperature in (0.0, 1.2) for limit in (200, 6)]
+    results = _run_all(engine, requests)
+    finished = 0
+    for request, (text, metrics) in zip(requests, results):
+        assert metrics.status == "ok", metrics.error
+        _check(json.loads(request.json_schema), text, metrics.finish_reason)
+        finished += metrics.finish_reason == "stop"
+        assert metrics.stages[GRAMMAR] > 0
+    assert finished >= len(SCHEMAS)  # every schema finished at least once within 200 tokens
+    shared = max(max(m.decode_batch_sizes, default=1) for _, m in results)
+    assert shared > 1 if engine.batch_limit() > 1 else shared == 1  # the direct step decodes them together
+    gc.collect()
+    assert live_matchers() == 0
+
+
+def test_json_object_and_forced_tool_calls(engine):
+    text = engine.ask(ChatRequest(prompt="Any JSON", json_schema='{"type": "object"}', max_new_tokens=60)).text
+    assert text.startswith("{") and is_json_prefix(text)
+    weather = Tool("get_weather", "Weather now", json.dumps({
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                         "unit": {"enum": ["C", "F"]}},
+        "required": ["city", "unit"], "additionalProperties": False}))
+    add = Tool("add", "", json.dumps({"type": "object", "properties": {"a": {"type": "integer", "maximum": 99}},
+                                      "required": ["a"], "additionalProperties": False}))
+    for choice, parallel in (("get_weather", True), ("required", False), ("required", True)):
+        answer = engine.ask(ChatRequest(prompt="Weather in Paris?", tools=(weather, add), tool_choice=choice,
+                                        parallel_tool_calls=parallel, max_new_tokens=120, temperature=1.0, seed=7))
+        content, calls = split_calls(answer.text, frozenset({"get_weather", "add"}))
+        assert answer.metrics.finish_reason == "stop" and content is None and calls, answer.text
+        assert parallel and choice == "required" or len(calls) == 1
+        for call in calls:
+            assert choice in ("required", call.name)
+            schema = json.loads((weather if call.name == "get_weather" else add).parameters)
+            jsonschema.validate(json.loads(call.arguments), schema)
+
+
+def test_bad_schemas_and_tool_sets_are_refused_by_kind_before_queueing(make_engine, tmp_path):
+    engine = make_engine(max_tools=3, max_schema_bytes=4096, max_schema_depth=6)
+    nested = {"type": "object"}
+    for _ in range(8):
+        nested = {"type": "object", "properties": {"x": nested}}
+    tool = Tool("f", "", '{"type": "object"}')
+    cases = [
+        (dict(json_schema="{not json"), "invalid_schema", "not valid JSON"),
+        (dict(json_schema='{"type": "strin"}'), "invalid_schema", "not a valid JSON Schema"),
+        (dict(json_schema='{"properties": {"a": {"$ref": "#/$defs/missing"}}}'), "invalid_schema", "$ref"),
+        (dict(json_schema='{"type": "object", "unevaluatedProperties": false}'), "unsupported_schema",
+         "unevaluatedProperties"),
+        (dict(json_schema='{"type": "string", "format": "colour"}'), "unsupported_schema", "colour"),
+        (dict(json_schema=json.dumps({"enum": ["x" * 100] * 50})), "schema_too_large", "VLSCOPE_MAX_SCHEMA_BYTES"),
+        (dict(json_schema=json.dumps(nested)), "schema_too_complex", "VLSCOPE_MAX_SCHEMA_DEPTH"),
+        (dict(tools=tuple(Tool(f"f{n}") for n in range(4)), tool_choice="required"), "too_many_tools", "at most 3"),
+        (dict(tools=(Tool("g", "", '{"$ref": "#/nowhere"}'),), tool_choice="g"), "invalid_schema", "$ref"),
+        (dict(tools=(tool, tool)), "invalid_schema", "share a name"),
+        (dict(json_schema='{"type": "object"}', tools=(tool,), tool_choice="f"), "invalid_schema", "exclude"),
+    ]
+    for fields, kind, words in cases:
+        with pytest.raises(InvalidSchema) as caught:
+            engine.submit(ChatRequest(prompt="hi", **fields))
+        assert caught.value.kind == kind and words in caught.value.message, (fields, caught.value.message)
+    for fields in (dict(ignore_eos=True), dict(stop=("}",))):
+        with pytest.raises(InvalidPrompt):
+            engine.submit(ChatRequest(prompt="hi", json_schema='{"type": "object"}', **fields))
+    slow = make_engine(grammar_compile_seconds=1e-6, db_path=str(tmp_path / "slow.db"))
+    with pytest.raises(InvalidSchema) as caught:
+        slow.submit(ChatRequest(prompt="hi", json_schema=json.dumps(SCHEMAS[0])))
+    assert caught.value.kind == "schema_too_complex" and "VLSCOPE_GRAMMAR_COMPILE_SECONDS" in caught.value.message
+    records = MetricsStore(engine.config.db_path).recent(100)
+    assert sorted(r.error_type for r in records) == sorted([kind for _, kind, _ in cases] + ["invalid_prompt"] * 2)
+    assert all(r.status == REFUSED and r.prompt is None and r.answer is None for r in records)
+    assert engine.queue_depth == 0
+
+
+def test_a_cancel_frees_the_matcher_and_the_queue(engine):
+    schema = {"type": "array", "items": {"type": "integer"}, "maxItems": 10_000}
+    handle = engine.submit(ChatRequest(prompt="count", json_schema=json.dumps(schema), max_new_tokens=500))
+    for event in handle.events():
+        if isinstance(event, TextChunk) and event.text:
+            handle.cancel()
+        if hasattr(event, "finish_reason"):
+            assert event.status == "cancelled"
+    gc.collect()
+    assert live_matchers() == 0 and engine.queue_depth == 0 and engine.active_sequences == 0
+
+
+def test_the_tool_call_reader_keeps_what_does_not_parse_as_text():
+    names = frozenset({"f", "g"})
+    text = ('Let me look.\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "unknown", "arguments": {}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "g", "arguments": "{\\"b\\": 2}"}\n</tool_call>')
+    content, calls = split_calls(text, names)
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"a": 1}), ("g", {"b": 2})]
+    assert content.startswith("Let me look.") and '"unknown"' in content
+    streamed, parser = [], ToolCallParser(names)
+    for start in range(0, len(text), 5):  # piece by piece, split anywhere, even inside <tool_call>
+        streamed += parser.feed(text[start:start + 5])
+    streamed += parser.finish()
+    assert [p.name for p in streamed if not isinstance(p, str)] == ["f", "g"]
+    assert "".join(p for p in streamed if isinstance(p, str)).strip() == content
+    assert split_calls("no calls, just <tool_ talk", names) == ("no calls, just <tool_ talk", [])
+    assert split_calls('<tool_call>\n{"name": "f", "argu', names)[1] == []  # cut short: stays text
