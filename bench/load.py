@@ -7,6 +7,11 @@ against another server (--against, such as `llama-server -np N`).
 
 Reports wall time, TTFT p50 and max, end to end p50 and max, tokens per second over the burst, and the longest
 pause any stream saw between two of its chunks once it had begun (another request's encode and prefill).
+
+    python -m bench.load --dtype int8 --clients 1 4 --constrained --rounds 2
+
+`--constrained` runs every burst twice, alternating, with free answers (end tokens ignored) and with answers held to
+a JSON schema long enough that max_tokens cuts them (the same length), and reports the ratio of their decode rates.
 """
 from __future__ import annotations
 
@@ -38,6 +43,18 @@ PICTURES = ("astronaut.png", "coffee.png", "chelsea.png", "rocket.jpg", "hubble_
             "text.png")
 
 
+# An invoice's lines, more of them than any burst's answer holds: every constrained answer runs to max_tokens, as the
+# free answers (end tokens ignored) do, so the two decode the same number of tokens.
+LONG_INVOICE = {
+    "type": "object", "additionalProperties": False, "required": ["vendor", "date", "lines"],
+    "properties": {
+        "vendor": {"type": "string", "maxLength": 40}, "date": {"type": "string", "format": "date"},
+        "lines": {"type": "array", "minItems": 200, "items": {
+            "type": "object", "additionalProperties": False, "required": ["item", "qty", "price"],
+            "properties": {"item": {"type": "string", "maxLength": 24}, "qty": {"type": "integer", "minimum": 1},
+                           "price": {"type": "number", "minimum": 0}}}}}}
+
+
 @dataclass
 class StreamResult:
     ttft_s: float | None = None
@@ -63,6 +80,9 @@ class BurstResult:
     streams: list[StreamResult] = field(default_factory=list)
     # vlscope started here: each decode step's median ms by how many sequences it advanced, from the server's records
     step_ms_by_batch: dict[int, float] = field(default_factory=dict)
+    constrained: bool = False  # answers held to a JSON schema
+    decode_tokens_per_s: float | None = None  # vlscope started here: tokens per second of decode and grammar work
+    grammar_ms_per_token: float | None = None  # of which the grammar's masks
 
 
 def picture_url(index: int, images_dir: Path, size: int = 448) -> str:
@@ -78,11 +98,14 @@ def picture_url(index: int, images_dir: Path, size: int = 448) -> str:
 
 
 def stream_one(base_url: str, model: str, image_url: str, max_tokens: int, key: str, start: threading.Event,
-               result: StreamResult) -> None:
+               result: StreamResult, schema: dict | None = None) -> None:
     body = {"model": model, "stream": True, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream_options": {"include_usage": True},
             "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image_url}},
                                                        {"type": "text", "text": PROMPT}]}]}
+    if schema is not None:  # held to the schema, the answer ends where its JSON does: no end token to ignore
+        del body["ignore_eos"]
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "invoice", "schema": schema}}
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     start.wait()
     began = last = time.perf_counter()
@@ -114,11 +137,12 @@ def stream_one(base_url: str, model: str, image_url: str, max_tokens: int, key: 
         result.e2e_s = time.perf_counter() - began
 
 
-def burst(base_url: str, model: str, clients: int, max_tokens: int, images_dir: Path, key: str = "") -> BurstResult:
+def burst(base_url: str, model: str, clients: int, max_tokens: int, images_dir: Path, key: str = "",
+          schema: dict | None = None) -> BurstResult:
     urls = [picture_url(index, images_dir) for index in range(clients)]
     start = threading.Event()
     results = [StreamResult() for _ in range(clients)]
-    threads = [threading.Thread(target=stream_one, args=(base_url, model, url, max_tokens, key, start, result))
+    threads = [threading.Thread(target=stream_one, args=(base_url, model, url, max_tokens, key, start, result, schema))
                for url, result in zip(urls, results)]
     for thread in threads:
         thread.start()
@@ -136,20 +160,29 @@ def burst(base_url: str, model: str, clients: int, max_tokens: int, images_dir: 
         e2e_p50_s=statistics.median(e2es), e2e_max_s=max(e2es),
         tokens_per_s=sum(result.tokens for result in good) / wall,
         longest_pause_s=max((result.longest_gap_s for result in good), default=0.0),
-        errors=len(results) - len(good), streams=results)
+        errors=len(results) - len(good), streams=results, constrained=schema is not None)
 
 
-def step_ms_by_batch(db: Path, since: float) -> dict[int, float]:
-    """Median decode step by batch size over the records finished after `since` (vlscope's own database)."""
+def server_figures(result: BurstResult, db: Path, since: float) -> None:
+    """From vlscope's own records of the burst (finished after `since`): the median decode step by batch size, and
+    the answers' tokens per second of decode, grammar and detokenizing together, with the grammar's part."""
     from engine import MetricsStore
+    from engine.records.stages import DECODE, DETOKENIZE, GRAMMAR
 
     steps: dict[int, list[float]] = {}
+    tokens, seconds, grammar = 0, 0.0, 0.0
     for record in MetricsStore(db).between(since):
         if record.warmup:
             continue
-        for size, seconds in zip(record.decode_batch_sizes, record.token_latencies_s):
-            steps.setdefault(size, []).append(seconds)
-    return {size: 1000 * statistics.median(values) for size, values in sorted(steps.items())}
+        for size, step in zip(record.decode_batch_sizes, record.token_latencies_s):
+            steps.setdefault(size, []).append(step)
+        tokens += len(record.token_latencies_s)
+        grammar += record.stages.get(GRAMMAR, 0.0)
+        seconds += sum(record.stages.get(name, 0.0) for name in (DECODE, DETOKENIZE, GRAMMAR))
+    result.step_ms_by_batch = {size: 1000 * statistics.median(values) for size, values in sorted(steps.items())}
+    if tokens:
+        result.decode_tokens_per_s = tokens / seconds
+        result.grammar_ms_per_token = 1000 * grammar / tokens
 
 
 def start_vlscope(model: str, dtype: str, workdir: Path, env_overrides: dict[str, str]) -> tuple[subprocess.Popen, str]:
@@ -193,20 +226,39 @@ def markdown(results: list[BurstResult]) -> str:
                           for size, ms in r.step_ms_by_batch.items())
         lines.append(f"Decode step by sequences in it ({r.max_tokens}-token burst): {cells}")
     lines += [""] if lines else []
-    lines += ["| server | people | answer tokens | wall s | TTFT p50 / max s | end to end p50 / max s | tokens/s over the "
-             "burst | longest pause s | errors |", "|---|---|---|---|---|---|---|---|---|"]
+    lines += ["| server | answer | people | answer tokens | wall s | TTFT p50 / max s | end to end p50 / max s | "
+              "tokens/s over the burst | decode tokens/s (grammar ms a token) | longest pause s | errors |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         ttft = f"{r.ttft_p50_s:.1f} / {r.ttft_max_s:.1f}" if r.ttft_p50_s is not None else "–"
-        lines.append(f"| {r.server} | {r.clients} | {r.max_tokens} | {r.wall_s:.1f} | {ttft} | {r.e2e_p50_s:.1f} / "
-                     f"{r.e2e_max_s:.1f} | {r.tokens_per_s:.2f} | {r.longest_pause_s:.2f} | {r.errors} |")
-    return "\n".join(lines)
+        decode = (f"{r.decode_tokens_per_s:.2f} ({r.grammar_ms_per_token:.2f})" if r.decode_tokens_per_s else "–")
+        lines.append(f"| {r.server} | {'JSON schema' if r.constrained else 'free'} | {r.clients} | {r.max_tokens} | "
+                     f"{r.wall_s:.1f} | {ttft} | {r.e2e_p50_s:.1f} / {r.e2e_max_s:.1f} | {r.tokens_per_s:.2f} | "
+                     f"{decode} | {r.longest_pause_s:.2f} | {r.errors} |")
+    return "\n".join(lines + constrained_ratios(results))
+
+
+def constrained_ratios(results: list[BurstResult]) -> list[str]:
+    """Constrained over free, by people: the medians of their rounds' decode rates and burst rates."""
+    lines = []
+    for clients in sorted({r.clients for r in results if r.constrained}):
+        pairs = {flag: [r for r in results if r.clients == clients and r.constrained == flag] for flag in (False, True)}
+        if not pairs[False]:
+            continue
+        ratio = [statistics.median(r.decode_tokens_per_s or 0 for r in pairs[True])
+                 / max(statistics.median(r.decode_tokens_per_s or 0 for r in pairs[False]), 1e-9),
+                 statistics.median(r.tokens_per_s for r in pairs[True])
+                 / statistics.median(r.tokens_per_s for r in pairs[False])]
+        lines.append(f"JSON schema over free answers, {clients} {'person' if clients == 1 else 'people'}, "
+                     f"{len(pairs[True])} rounds: decode {ratio[0]:.3f}x, burst {ratio[1]:.3f}x")
+    return [""] + lines if lines else []
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.load", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=str(shared_dir() / "qwen3-vl-2b"))
     parser.add_argument("--dtype", default="int8", choices=["float32", "bfloat16", "int8"])
-    parser.add_argument("--clients", type=int, default=4)
+    parser.add_argument("--clients", type=int, nargs="+", default=[4])
     parser.add_argument("--max-tokens", type=int, nargs="+", default=[64])
     parser.add_argument("--max-batch", type=int, help="VLSCOPE_MAX_BATCH for the vlscope server this starts")
     parser.add_argument("--url", help="an OpenAI-compatible server to measure instead of starting vlscope")
@@ -214,6 +266,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--api-key", default="")
     parser.add_argument("--images", default=str(default_images_dir()))
     parser.add_argument("--out", help="write the results here as JSON, and a markdown table beside it")
+    parser.add_argument("--constrained", action="store_true",
+                        help="alternate each burst with one whose answers are held to a JSON schema")
+    parser.add_argument("--rounds", type=int, default=1, help="times each burst runs (alternating with --constrained)")
     args = parser.parse_args(argv)
     images = Path(args.images)
     results: list[BurstResult] = []
@@ -226,15 +281,17 @@ def main(argv: list[str] | None = None) -> int:
             server, base = start_vlscope(args.model, args.dtype, Path(work), overrides)
         try:
             targets = [base] + ([args.against.rstrip("/")] if args.against else [])
-            for tokens in args.max_tokens:
-                for target in targets:
-                    since = time.time()
-                    result = burst(target, served_model(target, args.api_key), args.clients, tokens, images,
-                                   args.api_key)
-                    if server is not None and target == base:
-                        result.step_ms_by_batch = step_ms_by_batch(Path(work) / "load.db", since)
-                    results.append(result)
-                    print(markdown([result]).splitlines()[-1], file=sys.stderr, flush=True)
+            schemas = [None, LONG_INVOICE] if args.constrained else [None]
+            runs = [(clients, tokens, target, schema) for clients in args.clients for tokens in args.max_tokens
+                    for _ in range(args.rounds) for target in targets for schema in schemas]
+            for clients, tokens, target, schema in runs:
+                since = time.time()
+                result = burst(target, served_model(target, args.api_key), clients, tokens, images, args.api_key,
+                               schema)
+                if server is not None and target == base:
+                    server_figures(result, Path(work) / "load.db", since)
+                results.append(result)
+                print(markdown([result]).splitlines()[-1], file=sys.stderr, flush=True)
         finally:
             if server is not None:
                 server.terminate()

@@ -86,7 +86,7 @@ def take_in(state: RequestState, config: EngineConfig, admit: Callable[[], None]
         check_size(state.request, config)
         check_text(state.request, control)
         check_structure(state.request)
-        if constrain is not None:
+        if constrain is not None and (state.request.json_schema is not None or state.request.tools):
             with trace.stage(GRAMMAR, announce=False):
                 state.grammar = constrain(state.request, config)
         with trace.loading_images() as clock:
@@ -155,6 +155,8 @@ class Engine(StreamingMixin):
         self._scheduler = self._core.scheduler
         self._control_tokens = control_tokens(self.loaded.tokenizer)
         self._grammars = GrammarCompiler(self.loaded.tokenizer, self.loaded.vocab_size, self.loaded.eos_token_ids)
+        # Built beside the warm-up, so the first structured answer does not wait for them.
+        threading.Thread(target=lambda: self._grammars.tokenizer, name="vlscope-grammar-tables", daemon=True).start()
         self._loop = threading.Thread(target=self._run_loop, name="vlscope-engine-loop", daemon=True)
         self._loop.start()
         if self.config.warmup:

@@ -1,4 +1,5 @@
 """Chat page: pick or upload an image or a PDF, ask, watch the answer stream, see what it cost."""
+import json
 import logging
 from pathlib import Path
 
@@ -8,8 +9,8 @@ from engine import InvalidImage, Queued, RequestMetrics, StageStarted, TextChunk
 from engine.inputs.images import load_image
 from engine.records.stages import RUNNING
 from ui.engine_resource import get_engine
-from ui.conversation import (PRESETS, ChatTurn, build_request, images_to_attach, inert_markdown, stats_line,
-                             transcript)
+from ui.conversation import (PRESETS, SCHEMA_PRESETS, ChatTurn, build_request, images_to_attach, inert_markdown,
+                             parsed_json, stats_line, transcript)
 from engine.inputs.documents import Document
 from ui.documents import document_of, page_picker, png_thumbnail
 from ui.documents import preview as page_preview
@@ -51,6 +52,14 @@ sample = sample_column.selectbox("…or a sample", sample_names, key="sample_ima
 preset = option_column.selectbox("Prompt preset", list(PRESETS), key="prompt_preset")
 enhance = option_column.toggle("Enhance for OCR", key="enhance_ocr",
                                help="Greyscale, autocontrast, deskew and binarise before the model sees the image.")
+as_json = option_column.toggle("Answer as JSON", key="json_answer",
+                               help="The answer is held to a JSON Schema, token by token: it is always valid JSON.")
+json_schema = None
+if as_json:
+    with st.expander("JSON Schema of the answer", expanded=True):
+        schema_preset = st.selectbox("Schema preset", list(SCHEMA_PRESETS), key="json_schema_preset")
+        json_schema = st.text_area("Schema (editable)", json.dumps(SCHEMA_PRESETS[schema_preset], indent=2),
+                                   height=240, key=f"json_schema_text_{schema_preset}")
 
 if uploads:
     picked = [(upload.name, upload.getvalue()) for upload in uploads]
@@ -84,6 +93,8 @@ for turn in turns:
             st.image(preview(data), caption=name, width=280)
         if turn.error:
             st.error(turn.text)
+        elif turn.as_json and parsed_json(turn.text) is not None:
+            st.json(parsed_json(turn.text))
         else:
             st.markdown(inert_markdown(turn.text))
         if turn.stats:
@@ -120,7 +131,7 @@ def stream_text(handle, status, partial: list, result: dict):
 
 if prompt:
     attach = images_to_attach(turns, current)
-    request = build_request(turns, prompt, attach, enhance)
+    request = build_request(turns, prompt, attach, enhance, json_schema)
     user_turn = ChatTurn("user", prompt, attach)
     turns.append(user_turn)
     with st.chat_message("user"):
@@ -131,7 +142,7 @@ if prompt:
         status = st.empty()
         partial: list[str] = []
         result: dict = {}
-        answer = ChatTurn("assistant", "")
+        answer = ChatTurn("assistant", "", as_json=json_schema is not None)
         handle = None
         try:
             handle = engine.submit(request)
@@ -139,6 +150,8 @@ if prompt:
             metrics = result["metrics"]
             answer.text = "".join(partial)
             answer.stats = stats_line(metrics)
+            if answer.as_json and parsed_json(answer.text) is not None:
+                st.json(parsed_json(answer.text))
             st.caption(answer.stats)
         except VlscopeError as exc:
             status.empty()

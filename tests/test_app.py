@@ -85,6 +85,23 @@ def test_preset_clear_and_transcript(app_env):
     assert len(at.chat_message) == 0
 
 
+def test_answer_as_json_shows_the_finished_answer_as_json_and_a_bad_schema_as_a_message(app_env):
+    at = start()
+    at.toggle(key="json_answer").set_value(True).run()
+    assert "document_type" in at.text_area(key="json_schema_text_Scanned document").value  # the scans' preset
+    small = {"type": "object", "properties": {"paid": {"type": "boolean"}}, "required": ["paid"],
+             "additionalProperties": False}
+    at.text_area(key="json_schema_text_Scanned document").set_value(json.dumps(small)).run()
+    ask(at, "Is it paid?")
+    (answer,) = assistant_messages(at)
+    assert isinstance(answer.json[0].value, str) and set(json.loads(answer.json[0].value)) == {"paid"}
+    assert "grammar" in answer.caption[0].value
+    at.text_area(key="json_schema_text_Scanned document").set_value('{"type": "object", "unevaluatedProperties": 1')
+    ask(at, "Again")
+    assert any("not valid JSON" in e.value for e in at.error) and not at.exception
+    assert MetricsStore(app_env).recent(1, include_warmup=False)[0].error_type == "invalid_schema"
+
+
 def test_bad_image_shows_a_message_not_a_traceback(app_env):
     at = start()
     at.file_uploader(key="image_upload").set_value(("holiday.png", b"this is not a picture", "image/png"))

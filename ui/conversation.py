@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from dataclasses import dataclass, field
 
 from engine import ChatRequest, RequestMetrics, Turn
 from engine.inputs.documents import Document
-from engine.records.stages import OK, RENDER_PAGES
+from engine.records.stages import GRAMMAR, OK, RENDER_PAGES
 
 GIB = 1 << 30
 
@@ -15,6 +16,28 @@ PRESETS = {
     "Describe": "Describe this image in detail.",
     "OCR": "Extract all visible text line by line.",
     "Question": "",
+}
+
+
+# Schemas the Chat page offers for "Answer as JSON", each bounded so that any model's answer ends.
+SCHEMA_PRESETS = {
+    "Scanned document": {
+        "type": "object", "additionalProperties": False,
+        "required": ["document_type", "title", "dates", "totals"],
+        "properties": {
+            "document_type": {"enum": ["invoice", "receipt", "letter", "form", "report", "article", "page", "other"]},
+            "title": {"type": "string", "maxLength": 120},
+            "dates": {"type": "array", "maxItems": 8, "items": {"type": "string", "maxLength": 40}},
+            "totals": {"type": "array", "maxItems": 8, "items": {
+                "type": "object", "additionalProperties": False, "required": ["label", "amount"],
+                "properties": {"label": {"type": "string", "maxLength": 60}, "amount": {"type": "number"},
+                               "currency": {"type": "string", "maxLength": 8}}}}}},
+    "Picture": {
+        "type": "object", "additionalProperties": False, "required": ["subject", "objects", "has_text"],
+        "properties": {"subject": {"type": "string", "maxLength": 80},
+                       "objects": {"type": "array", "maxItems": 10, "items": {"type": "string", "maxLength": 40}},
+                       "has_text": {"type": "boolean"}}},
+    "Any JSON object": {"type": "object"},
 }
 
 
@@ -26,6 +49,7 @@ class ChatTurn:
     stats: str | None = None
     error: bool = False
     request_id: str | None = None  # a stopped answer's request: its stats line comes from its record once written
+    as_json: bool = False  # asked for as JSON: shown as a JSON tree when it is complete
 
 
 def _identity(data: bytes | Document) -> bytes:
@@ -49,13 +73,22 @@ def images_to_attach(turns: list[ChatTurn], current: list[tuple[str, bytes]]) ->
     return current
 
 
-def build_request(turns: list[ChatTurn], prompt: str, images: list[tuple[str, bytes]], enhance_for_ocr: bool) -> ChatRequest:
+def build_request(turns: list[ChatTurn], prompt: str, images: list[tuple[str, bytes]], enhance_for_ocr: bool,
+                  json_schema: str | None = None) -> ChatRequest:
     # Failed turns are left out: the model never answered them.
     history = tuple(
         Turn(turn.role, turn.text, tuple(data for _, data in turn.images)) for turn in turns if not turn.error
     )
     return ChatRequest(prompt=prompt, images=tuple(data for _, data in images), history=history,
-                       enhance_for_ocr=enhance_for_ocr, source="app")
+                       enhance_for_ocr=enhance_for_ocr, source="app", json_schema=json_schema)
+
+
+def parsed_json(text: str):
+    """A complete JSON answer as Python values for st.json; None when it is not one (cut short or stopped)."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
 
 
 MARKDOWN_REACH = re.compile(r"([\[\]<>])")
@@ -76,6 +109,8 @@ def stats_line(metrics: RequestMetrics) -> str:
         parts.append(f"{metrics.decode_tokens_per_s:.1f} tok/s")
     parts.append(f"total {metrics.e2e_s:.1f} s")
     parts.append(f"{metrics.vision_tokens} vision tokens")
+    if GRAMMAR in metrics.stages:
+        parts.append(f"grammar {metrics.stages[GRAMMAR] * 1000:.0f} ms")
     if RENDER_PAGES in metrics.stages:
         parts.append(f"{len(metrics.document_pages)} pages rendered in {metrics.stages[RENDER_PAGES]:.2f} s")
     parts.append(f"peak RSS {metrics.rss_peak_bytes / GIB:.2f} GiB")

@@ -180,7 +180,8 @@ class Admission:
             generator=core.generator if request.seed is None else torch.Generator().manual_seed(request.seed),
             presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
             logit_bias=request.logit_bias, top_logprobs=request.top_logprobs,
-            grammar=GrammarMatcher(state.grammar, core.loaded.vocab_size) if state.grammar is not None else None,
+            grammar=(GrammarMatcher(state.grammar, core.loaded.vocab_size, core.loaded.eos_token_ids)
+                     if state.grammar is not None else None),
         )
         with trace.stage(PREFILL, announce=False):
             token = sampler(logits)

@@ -64,18 +64,37 @@ class Sampler:
             ids = torch.tensor(list(self.counts))
             seen = torch.tensor(list(self.counts.values()), dtype=torch.float32)
             logits[ids] -= self.presence_penalty + self.frequency_penalty * seen
-        if self.grammar is not None:
-            self.grammar.restrict(logits)
-        token = _choose(logits, self.temperature, self.top_p, self.generator)
-        if self.grammar is not None:
-            self.grammar.accept(token)
+        token = self._choose_within_grammar(logits) if self.grammar is not None else self._choose(logits, None)
+        self.counts[token] = self.counts.get(token, 0) + 1
+        return token
+
+    def _choose(self, logits: torch.Tensor, ids) -> int:
+        """The choice among `logits`, whose token ids are `ids` (None: their positions), with its logprobs."""
+        choice = _choose(logits, self.temperature, self.top_p, self.generator)
+        token = choice if ids is None else int(ids[choice])
         if self.top_logprobs is not None:
             log_probs = torch.log_softmax(logits, dim=-1)
-            top = torch.topk(log_probs, self.top_logprobs) if self.top_logprobs else None
-            self.logprobs.append(TokenLogprob(token, float(log_probs[token]), tuple(
-                (index, value) for index, value in zip(top.indices.tolist(), top.values.tolist())
+            top = torch.topk(log_probs, min(self.top_logprobs, len(log_probs))) if self.top_logprobs else None
+            self.logprobs.append(TokenLogprob(token, float(log_probs[choice]), tuple(
+                (index if ids is None else int(ids[index]), value)
+                for index, value in zip(top.indices.tolist(), top.values.tolist())
                 if value != float("-inf")) if top is not None else ()))  # tokens the grammar ruled out are not shown
-        self.counts[token] = self.counts.get(token, 0) + 1
+        return token
+
+    def _choose_within_grammar(self, logits: torch.Tensor) -> int:
+        """The choice among the tokens the grammar allows. Where the choice over all tokens is already allowed, it
+        stands: exactly so for greedy, and for sampling without top-p too (a sample from all tokens kept when allowed,
+        else one from the allowed ones, is a sample from the allowed ones). A model that follows the grammar of its
+        own accord (most tokens of a real model's JSON) costs a bit test, not a masked choice. Logprobs need the
+        allowed ones'."""
+        grammar = self.grammar
+        if self.top_logprobs is None and (self.temperature <= 0 or self.top_p >= 1.0):
+            token = _choose(logits, self.temperature, self.top_p, self.generator)
+            if grammar.allows(token):
+                grammar.accept(token)
+                return token
+        token = self._choose(*grammar.narrow(logits))
+        grammar.accept(token)
         return token
 
     @property

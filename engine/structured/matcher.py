@@ -20,20 +20,41 @@ def live_matchers() -> int:
 
 
 class GrammarMatcher:
-    def __init__(self, compiled: CompiledGrammar, vocab_size: int):
+    def __init__(self, compiled: CompiledGrammar, vocab_size: int, eos_ids: tuple[int, ...] = ()):
         self.matcher = compiled.matcher.deep_copy()
+        self.eos_ids = frozenset(eos_ids)
         self.vocab_size = vocab_size
         self._bits = np.zeros((vocab_size + 31) // 32, dtype=np.int32)
         self.seconds = 0.0
         _live.add(self)
 
-    def restrict(self, logits: torch.Tensor) -> None:
-        """Masks (sets to -inf) every token of `logits` (1-D, vocab) that the grammar does not allow next."""
+    def allows(self, token: int) -> bool:
+        """Whether `token` may come next, checked without the whole mask. End tokens always take the mask (the
+        check does not answer for them)."""
+        started = time.perf_counter()
+        allowed = token not in self.eos_ids and self.matcher.validate_tokens([token]) == 1
+        self.seconds += time.perf_counter() - started
+        return allowed
+
+    def narrow(self, logits: torch.Tensor) -> tuple[torch.Tensor, np.ndarray | None]:
+        """The logits to choose among and their token ids. Where the grammar allows few tokens (most steps of JSON),
+        just theirs: the choice then costs in proportion to them, not to the vocabulary. Else all of `logits`
+        (1-D float32), those it does not allow set to -inf, and ids None."""
         started = time.perf_counter()
         self.matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
-        allowed = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[:logits.shape[0]]
-        logits.masked_fill_(torch.from_numpy(allowed == 0), float("-inf"))
+        words = np.flatnonzero(self._bits)
+        if len(words) <= len(self._bits) // 8:
+            bits = np.unpackbits(self._bits[words].view(np.uint8), bitorder="little").reshape(len(words), 32)
+            rows, columns = np.nonzero(bits)
+            ids = words[rows] * 32 + columns
+            ids = ids[ids < logits.shape[0]]
+            narrowed = logits[torch.from_numpy(ids)]
+        else:  # in numpy, on one thread: a torch op would wake the compute thread's whole OpenMP team
+            banned = np.unpackbits(np.invert(self._bits).view(np.uint8), bitorder="little")[:logits.shape[0]]
+            np.copyto(logits.numpy(), -np.inf, where=banned.view(np.bool_))
+            narrowed, ids = logits, None
         self.seconds += time.perf_counter() - started
+        return narrowed, ids
 
     def accept(self, token: int) -> None:
         started = time.perf_counter()
