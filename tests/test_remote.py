@@ -1,14 +1,15 @@
 """A vlscope pointed at another vlscope: the remote backend over real HTTP, in the engine, the API and the app."""
 from __future__ import annotations
 
+import json
 import time
 
 import openai
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from engine import (STAGES, Busy, ChatRequest, EngineConfig, GenerationFailed, InvalidImage, MetricsStore,
-                    PromptTooLong, RequestMetrics, TextChunk)
+from engine import (STAGES, Busy, ChatRequest, EngineConfig, GenerationFailed, InvalidImage, InvalidSchema,
+                    MetricsStore, PromptTooLong, RequestMetrics, TextChunk, Tool)
 from bench.hostile_backend import HOSTILE_ANSWERS, serve
 from engine.remote import RemoteEngine
 from server.slot import shutdown
@@ -61,6 +62,15 @@ def test_remote_engine_streams_measures_and_cancels(backend, images_dir, tmp_pat
         engine.ask(ChatRequest(prompt="x", images=(b"not an image",)))
     with pytest.raises(PromptTooLong):
         engine.ask(ChatRequest(prompt="word " * 600))
+
+    # A response format goes on to the backend, which holds its answer to it; tools are refused here, by name.
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    answer = engine.ask(ChatRequest(prompt="ok?", json_schema=json.dumps(schema), max_new_tokens=20))
+    assert set(json.loads(answer.text)) == {"ok"} and answer.metrics.finish_reason == "stop"
+    with pytest.raises(InvalidSchema) as caught:
+        engine.ask(ChatRequest(prompt="x", tools=(Tool("f"),), tool_choice="required"))
+    assert caught.value.kind == "unsupported_schema" and "remote backend" in caught.value.message
 
 
 def test_vlscope_in_front_of_vlscope_api_and_app(backend, tiny_model, images_dir, tmp_path, monkeypatch):

@@ -122,6 +122,8 @@ def test_bad_schemas_and_tool_sets_are_refused_by_kind_before_queueing(make_engi
         (dict(tools=(Tool("g", "", '{"$ref": "#/nowhere"}'),), tool_choice="g"), "invalid_schema", "$ref"),
         (dict(tools=(tool, tool)), "invalid_schema", "share a name"),
         (dict(json_schema='{"type": "object"}', tools=(tool,), tool_choice="f"), "invalid_schema", "exclude"),
+        (dict(json_schema="false"), "invalid_schema", "no answer can satisfy"),
+        (dict(json_schema='{"oneOf": [{"type": "integer"}, {"minimum": 2}]}'), "unsupported_schema", "oneOf"),
     ]
     for fields, kind, words in cases:
         with pytest.raises(InvalidSchema) as caught:
@@ -130,13 +132,25 @@ def test_bad_schemas_and_tool_sets_are_refused_by_kind_before_queueing(make_engi
     for fields in (dict(ignore_eos=True), dict(stop=("}",))):
         with pytest.raises(InvalidPrompt):
             engine.submit(ChatRequest(prompt="hi", json_schema='{"type": "object"}', **fields))
+    odd = ["true", "{}", "null", "[]", "1", '{"type": 5}', '{"$ref": "#"}', '{"properties": {"a": {"$ref": "#"}}}',
+           '{"enum": []}', '{"type": "string", "pattern": "("}', '{"type": "string", "pattern": "[z-a]"}',
+           '{"items": false}', '{"type": "array", "minItems": 5, "maxItems": 2}', '{"allOf": [{"type": "string"}, '
+           '{"type": "integer"}]}', '{"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}']
+    odd_refusals = []
+    for text in odd:  # each compiles or is refused by name: never another error, never a queued request
+        try:
+            engine.submit(ChatRequest(prompt="hi", json_schema=text, max_new_tokens=1)).cancel()
+        except InvalidSchema as exc:
+            assert exc.kind in ("invalid_schema", "unsupported_schema", "schema_too_complex"), (text, exc.kind)
+            odd_refusals.append(exc.kind)
     slow = make_engine(grammar_compile_seconds=1e-6, db_path=str(tmp_path / "slow.db"))
     with pytest.raises(InvalidSchema) as caught:
         slow.submit(ChatRequest(prompt="hi", json_schema=json.dumps(SCHEMAS[0])))
     assert caught.value.kind == "schema_too_complex" and "VLSCOPE_GRAMMAR_COMPILE_SECONDS" in caught.value.message
-    records = MetricsStore(engine.config.db_path).recent(100)
-    assert sorted(r.error_type for r in records) == sorted([kind for _, kind, _ in cases] + ["invalid_prompt"] * 2)
-    assert all(r.status == REFUSED and r.prompt is None and r.answer is None for r in records)
+    records = [r for r in MetricsStore(engine.config.db_path).recent(200) if r.status == REFUSED]
+    expected = [kind for _, kind, _ in cases] + ["invalid_prompt"] * 2 + odd_refusals
+    assert sorted(r.error_type for r in records) == sorted(expected)
+    assert all(r.prompt is None and r.answer is None for r in records)
     assert engine.queue_depth == 0
 
 

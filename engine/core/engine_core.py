@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -25,6 +26,7 @@ from ..model.memory_pages import back_with_huge_pages, huge_pages_pay
 from ..records.info import EngineInfo
 from ..records.metrics import current_rss
 from ..records.stages import CANCELLED, DETOKENIZE, ERROR, GRAMMAR, OK
+from ..structured.matcher import fill_masks
 from .admission import Admission
 from .prefix_cache import CachedSequence, PrefixCache
 from .request_state import FINISHED, RequestState
@@ -67,6 +69,8 @@ class EngineCore:
         self.generator = torch.Generator().manual_seed(config.seed)
         self.prefix_cache = PrefixCache(config.prefix_cache_entries if config.kv_cache else 0)
         self.scheduler = Scheduler(max_waiting=config.max_queue, batch_limit=self.batch_limit)
+        # Structured answers' next masks are computed here while the forward step runs (docs/decisions.md).
+        self.masks = ThreadPoolExecutor(1, thread_name_prefix="vlscope-grammar-masks")
 
     def batch_limit(self) -> int:
         """How many requests decode together: the setting where the direct decode step runs, else one at a time
@@ -112,6 +116,8 @@ class EngineCore:
         errors: dict[RequestState, GenerationFailed] = {}
         if live:
             started = time.perf_counter()
+            grammars = [state.decoding.sampler.grammar for state in live if state.decoding.sampler.grammar is not None]
+            masks = self.masks.submit(fill_masks, grammars) if grammars else None
             try:
                 with torch.inference_mode():
                     logits = self._next_logits(live)
@@ -123,6 +129,9 @@ class EngineCore:
                 for state in ended:  # cancelled before the step: their records all the same
                     self.finish(state)
                 return states
+            finally:
+                if masks is not None:
+                    masks.result()  # before any matcher moves on or is let go
             elapsed, rss = time.perf_counter() - started, current_rss()
             for row, state in enumerate(live):
                 trace, decoding = state.trace, state.decoding
@@ -194,4 +203,5 @@ class EngineCore:
         step, self.decode_step = self.decode_step, None
         if step is not None:
             step.release()
+        self.masks.shutdown(wait=False)
 

@@ -149,8 +149,13 @@ class GrammarCompiler:
                 raise InvalidSchema(f"the response format's schema is {len(text.encode()):,} bytes, over the "
                                     f"{config.max_schema_bytes:,} allowed (VLSCOPE_MAX_SCHEMA_BYTES)",
                                     "schema_too_large")
-            check_schema(text, "the response format's schema", config.max_schema_depth)
-            grammar = LLMatcher.grammar_from_json_schema(text, overrides=JSON_STYLE)
+            schema = check_schema(text, "the response format's schema", config.max_schema_depth)
+            if schema is False:
+                raise InvalidSchema("the response format's schema is false: no answer can satisfy it")
+            try:
+                grammar = LLMatcher.grammar_from_json_schema({} if schema is True else text, overrides=JSON_STYLE)
+            except ValueError as exc:
+                raise InvalidSchema(f"the response format's schema cannot be enforced: {str(exc)[:300]}") from None
         else:
             _, tools, choice, parallel = key
             grammar = LLMatcher.grammar_from_lark(tool_call_lark(tools, choice, parallel, *self._tool_ids))
@@ -200,6 +205,9 @@ def _refusal(error: str, what: str) -> InvalidSchema:
         keys = unimplemented.group(1).replace('"', "")
         return InvalidSchema(f"{subject} uses {keys}, which this server does not enforce: remove it, or the answer "
                              "could break it", "unsupported_schema")
+    if "oneOf constraints are not supported" in error:
+        return InvalidSchema(f"{subject} uses oneOf, which this server enforces only where its branches cannot "
+                             "overlap: use anyOf", "unsupported_schema")
     unknown_format = re.search(r"Unknown format: (\S+)", error)
     if unknown_format:
         return InvalidSchema(f"{subject} uses format {unknown_format.group(1)!r}, which this server does not enforce",

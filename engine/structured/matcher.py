@@ -1,5 +1,6 @@
-"""One sequence's place in its grammar: before each token is chosen, the tokens the grammar does not allow are
-masked out of the logits; the chosen one moves the matcher on. Time spent here is the request's grammar stage."""
+"""One sequence's place in its grammar: before each token is chosen, the tokens the grammar does not allow are ruled
+out; the chosen one moves the matcher on. The next mask is computed beside the forward step (`fill_masks`); what
+runs on the request's path (the choice among allowed tokens, accepting one) is its grammar stage."""
 from __future__ import annotations
 
 import time
@@ -19,18 +20,37 @@ def live_matchers() -> int:
     return len(_live)
 
 
+def fill_masks(grammars: list[GrammarMatcher]) -> None:
+    """Each matcher's next mask, on a thread beside the forward step: llguidance lets go of the GIL while it works,
+    and the mask then costs the step nothing measurable (docs/decisions.md, "Structured answers")."""
+    for grammar in grammars:
+        grammar.fill_mask()
+
+
 class GrammarMatcher:
     def __init__(self, compiled: CompiledGrammar, vocab_size: int, eos_ids: tuple[int, ...] = ()):
         self.matcher = compiled.matcher.deep_copy()
         self.eos_ids = frozenset(eos_ids)
         self.vocab_size = vocab_size
         self._bits = np.zeros((vocab_size + 31) // 32, dtype=np.int32)
+        self._ready = False  # the bits hold the mask of the tokens allowed next
         self.seconds = 0.0
+        self.overlapped_seconds = 0.0  # mask work done beside a forward step, off the request's path
         _live.add(self)
+
+    def fill_mask(self) -> None:
+        """The mask of the tokens allowed next, ahead of the choice."""
+        if not self._ready:
+            started = time.perf_counter()
+            self.matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
+            self._ready = True
+            self.overlapped_seconds += time.perf_counter() - started
 
     def allows(self, token: int) -> bool:
         """Whether `token` may come next, checked without the whole mask. End tokens always take the mask (the
         check does not answer for them)."""
+        if self._ready:
+            return bool((int(self._bits[token >> 5]) >> (token & 31)) & 1)
         started = time.perf_counter()
         allowed = token not in self.eos_ids and self.matcher.validate_tokens([token]) == 1
         self.seconds += time.perf_counter() - started
@@ -41,7 +61,8 @@ class GrammarMatcher:
         just theirs: the choice then costs in proportion to them, not to the vocabulary. Else all of `logits`
         (1-D float32), those it does not allow set to -inf, and ids None."""
         started = time.perf_counter()
-        self.matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
+        if not self._ready:
+            self.matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
         words = np.flatnonzero(self._bits)
         if len(words) <= len(self._bits) // 8:
             bits = np.unpackbits(self._bits[words].view(np.uint8), bitorder="little").reshape(len(words), 32)
@@ -60,6 +81,7 @@ class GrammarMatcher:
         started = time.perf_counter()
         if not self.matcher.consume_token(token):
             raise GenerationFailed(f"token {token} left the answer's grammar: {self.matcher.get_error()[:200]}")
+        self._ready = False
         self.seconds += time.perf_counter() - started
 
     @property
