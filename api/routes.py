@@ -215,6 +215,10 @@ class ChatCall:
         chat = self.chat
         return frozenset(tool.name for tool in chat.tools) if chat.tools and chat.tool_choice != "none" else None
 
+    @property
+    def max_calls(self) -> int | None:
+        return None if self.chat.parallel_tool_calls else 1
+
 
 async def chat_completions(request: Request) -> Response:
     try:
@@ -261,7 +265,7 @@ async def _emit_stream(call: ChatCall, handle: RequestHandle, request: Request) 
         raise _engine_error(exc) from None
     watch.active = False
     return StreamingResponse(_sse(handle, early, events, call.model, call.include_usage, call.token_text,
-                                  call.tool_names),
+                                  call.tool_names, call.max_calls),
                              media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
@@ -280,7 +284,7 @@ async def _emit_completion(call: ChatCall, handle: RequestHandle, request: Reque
         return Response(status_code=499)
     text, calls = "".join(parts), []
     if call.tool_names is not None:
-        text, calls = split_calls(text, call.tool_names)
+        text, calls = split_calls(text, call.tool_names, call.max_calls)
     return JSONResponse(completion(call.model, text, metrics,
                                    logprobs_content(logprobs, call.token_text) if call.token_text else None,
                                    [parsed.as_openai() for parsed in calls]))
@@ -304,12 +308,12 @@ def _token_text(engine: ServingEngine, chat: ChatRequest) -> Callable[[int], str
 
 
 async def _sse(handle, early: list, events, model: str, include_usage: bool, token_text=None,
-               tool_names: frozenset[str] | None = None):
+               tool_names: frozenset[str] | None = None, max_calls: int | None = None):
     def event(data) -> str:
         return f"data: {json.dumps(data)}\n\n"
 
     created = int(time.time())  # the same in every chunk of one answer
-    parser = ToolCallParser(tool_names) if tool_names is not None else None
+    parser = ToolCallParser(tool_names, max_calls) if tool_names is not None else None
     held_logprobs: list = []  # of text the parser holds back: they ride on the next chunk sent
 
     def pieces(text: str, logprobs, last: bool = False):

@@ -28,6 +28,7 @@ class ToolCallParser:
     Text that might be the start of a block is held until the next pieces tell."""
 
     names: frozenset[str]
+    max_calls: int | None = None  # 1 when parallel_tool_calls is false: later blocks stay text
     calls: list[ParsedCall] = field(default_factory=list)
     _pending: str = ""
     _inside: bool = False
@@ -81,6 +82,8 @@ class ToolCallParser:
         return [text]
 
     def _call(self, body: str) -> ParsedCall | None:
+        if self.max_calls is not None and len(self.calls) >= self.max_calls:
+            return None
         try:
             parsed = json.loads(body)
         except ValueError:
@@ -101,9 +104,9 @@ class ToolCallParser:
         return call
 
 
-def split_calls(text: str, names: frozenset[str]) -> tuple[str | None, list[ParsedCall]]:
+def split_calls(text: str, names: frozenset[str], max_calls: int | None = None) -> tuple[str | None, list[ParsedCall]]:
     """A whole answer's content (None when it is calls alone) and calls."""
-    parser = ToolCallParser(names)
+    parser = ToolCallParser(names, max_calls)
     pieces = parser.feed(text) + parser.finish()
     content = "".join(piece for piece in pieces if isinstance(piece, str))
     return (content.strip() or None) if parser.calls else content, parser.calls

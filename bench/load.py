@@ -239,18 +239,20 @@ def markdown(results: list[BurstResult]) -> str:
 
 
 def constrained_ratios(results: list[BurstResult]) -> list[str]:
-    """Constrained over free, by people: the medians of their rounds' decode rates and burst rates."""
+    """Constrained over free, by people: each round's pair (run one after the other) as a ratio of decode rates
+    and of burst rates, and the median of those ratios."""
     lines = []
     for clients in sorted({r.clients for r in results if r.constrained}):
-        pairs = {flag: [r for r in results if r.clients == clients and r.constrained == flag] for flag in (False, True)}
-        if not pairs[False]:
+        pairs = list(zip([r for r in results if r.clients == clients and not r.constrained],
+                         [r for r in results if r.clients == clients and r.constrained]))
+        if not pairs:
             continue
-        ratio = [statistics.median(r.decode_tokens_per_s or 0 for r in pairs[True])
-                 / max(statistics.median(r.decode_tokens_per_s or 0 for r in pairs[False]), 1e-9),
-                 statistics.median(r.tokens_per_s for r in pairs[True])
-                 / statistics.median(r.tokens_per_s for r in pairs[False])]
+        decode = [(held.decode_tokens_per_s or 0) / max(free.decode_tokens_per_s or 0, 1e-9) for free, held in pairs]
+        burst = [held.tokens_per_s / max(free.tokens_per_s, 1e-9) for free, held in pairs]
         lines.append(f"JSON schema over free answers, {clients} {'person' if clients == 1 else 'people'}, "
-                     f"{len(pairs[True])} rounds: decode {ratio[0]:.3f}x, burst {ratio[1]:.3f}x")
+                     f"{len(pairs)} rounds: decode {statistics.median(decode):.3f}x "
+                     f"({', '.join(f'{x:.2f}' for x in decode)}), burst {statistics.median(burst):.3f}x "
+                     f"({', '.join(f'{x:.2f}' for x in burst)})")
     return [""] + lines if lines else []
 
 

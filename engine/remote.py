@@ -229,6 +229,8 @@ class RemoteEngine(StreamingMixin):
                         trace.first_token()
                         trace.announce(DECODE)
                     job.events.put(TextChunk(text))
+                if choice.get("finish_reason") in ("stop", "length"):  # the server's word, from its own answers
+                    trace.finish_reason = choice["finish_reason"]
             usage = data.get("usage")
             if isinstance(usage, dict):
                 prompt, completion = _count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens"))

@@ -100,6 +100,9 @@ def test_answer_as_json_shows_the_finished_answer_as_json_and_a_bad_schema_as_a_
     ask(at, "Again")
     assert any("not valid JSON" in e.value for e in at.error) and not at.exception
     assert MetricsStore(app_env).recent(1, include_warmup=False)[0].error_type == "invalid_schema"
+    at.switch_page("pages/profiling.py").run()  # the grammar's time is a stage of its own there
+    assert not at.exception and any("grammar" in list(frame.value["stage"]) for frame in at.dataframe
+                                    if "stage" in frame.value)
 
 
 def test_bad_image_shows_a_message_not_a_traceback(app_env):

@@ -181,4 +181,6 @@ def test_the_tool_call_reader_keeps_what_does_not_parse_as_text():
     assert [p.name for p in streamed if not isinstance(p, str)] == ["f", "g"]
     assert "".join(p for p in streamed if isinstance(p, str)).strip() == content
     assert split_calls("no calls, just <tool_ talk", names) == ("no calls, just <tool_ talk", [])
+    content, (only,) = split_calls(text, names, max_calls=1)  # parallel_tool_calls false: later blocks stay text
+    assert only.name == "f" and '"name": "g"' in content
     assert split_calls('<tool_call>\n{"name": "f", "argu', names)[1] == []  # cut short: stays text
