@@ -87,6 +87,7 @@ def _release(slot: EngineSlot) -> None:
     if slot.loaded is not None:
         slot.loaded.engine.close()
         slot.loaded = slot.loaded_config = None
+        gc.unfreeze()
         gc.collect()  # free the old weights before the new ones are allocated
 
 
@@ -104,6 +105,9 @@ def ensure_loaded(progress=None) -> LoadedEngine | None:
             try:
                 slot.loaded = build_engine(config, progress, slot.server.fallback_model)
                 slot.loaded_config = config
+                # What the load made lives as long as the engine: a full collection no longer walks it, holding
+                # the interpreter (and every connection) for a fifth of a second (docs/decisions.md).
+                gc.freeze()
             except Exception as exc:  # any load failure is reported; the server keeps serving
                 log.exception("model load failed")
                 slot.error = exc.message if hasattr(exc, "message") else f"{type(exc).__name__}: {exc}"
