@@ -121,6 +121,7 @@ def test_bad_schemas_and_tool_sets_are_refused_by_kind_before_queueing(make_engi
         (dict(tools=tuple(Tool(f"f{n}") for n in range(4)), tool_choice="required"), "too_many_tools", "at most 3"),
         (dict(tools=(Tool("g", "", '{"$ref": "#/nowhere"}'),), tool_choice="g"), "invalid_schema", "$ref"),
         (dict(tools=(tool, tool)), "invalid_schema", "share a name"),
+        (dict(tools=(tool,), tool_choice="elsewhere"), "invalid_schema", "not among the tools"),
         (dict(json_schema='{"type": "object"}', tools=(tool,), tool_choice="f"), "invalid_schema", "exclude"),
         (dict(json_schema="false"), "invalid_schema", "no answer can satisfy"),
         (dict(json_schema='{"oneOf": [{"type": "integer"}, {"minimum": 2}]}'), "unsupported_schema", "oneOf"),

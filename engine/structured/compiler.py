@@ -112,6 +112,10 @@ class GrammarCompiler:
         if request.json_schema is not None and request.calls_only:
             raise InvalidSchema("a response format and a forced tool call exclude each other: the answer is either "
                                 "JSON or calls", "invalid_schema")
+        if request.calls_only and request.tool_choice != "required" and \
+                request.tool_choice not in {tool.name for tool in request.tools}:
+            raise InvalidSchema(f"tool_choice names {request.tool_choice[:64]!r}, which is not among the tools",
+                                "invalid_schema", "tools")
         if request.tools:
             try:
                 check_tools(request.tools, config)
