@@ -12,7 +12,7 @@ from bench.harness import bench_image, reference_result, run_baseline_case, run_
 from bench.plan import Case, execution_order, plan
 from engine.kernels.system import system_report
 
-from .conftest import ROOT
+from .conftest import FULL_SKELETON, ROOT
 from .test_api import start_server
 
 
@@ -301,3 +301,26 @@ def test_load_burst_alternates_free_and_schema_held_answers(tiny_model, images_d
         assert (burst["grammar_ms_per_token"] > 0) == burst["constrained"]
     table = out.with_suffix(".md").read_text()
     assert "JSON schema over free answers, 1 person" in table and "2 people" in table
+
+
+def test_grammars_measures_a_schema_set_and_names_what_it_refuses(tmp_path):
+    """`python -m bench.grammars`: on a suite in JSON-Schema-Test-Suite's form, which schemas compile, which are
+    refused by kind, and whether the engine's grammar accepts exactly the valid instances."""
+    suite = tmp_path / "suite"
+    suite.mkdir()
+    (suite / "bounded.json").write_text(json.dumps([
+        {"description": "an enum and a bounded integer", "schema": {
+            "type": "object", "properties": {"kind": {"enum": ["a", "b"]}, "n": {"type": "integer", "maximum": 9}},
+            "required": ["kind", "n"], "additionalProperties": False},
+         "tests": [{"data": {"kind": "a", "n": 3}, "valid": True}, {"data": {"kind": "c", "n": 3}, "valid": False},
+                   {"data": {"kind": "b", "n": 12}, "valid": False}, {"data": {"kind": "b"}, "valid": False}]},
+        {"description": "a keyword not enforced", "schema": {"type": "object", "unevaluatedProperties": False},
+         "tests": [{"data": {}, "valid": True}]}]))
+    out = tmp_path / "grammars.json"
+    run = subprocess.run([sys.executable, "-m", "bench.grammars", "--suite", str(suite), "--model", str(FULL_SKELETON),
+                          "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    ours = next(result for result in json.loads(out.read_text()) if result["engine"] == "llguidance")
+    assert (ours["schemas"], ours["compiled"], ours["refusals"]) == (2, 1, {"unsupported_schema": 1})
+    assert (ours["instances"], ours["agreed"], ours["accepted_invalid"]) == (4, 4, 0)
+    assert ours["compile_ms"]["p50"] > 0 and "| llguidance | 1 of 2 (50%)" in out.with_suffix(".md").read_text()

@@ -219,7 +219,7 @@ def _refusal(error: str, what: str) -> InvalidSchema:
     if "does not exist" in error or "$ref" in error or "not present in a registry" in error:
         return InvalidSchema(f"{subject} has a $ref that does not resolve: {error.splitlines()[0][:300]}",
                              "invalid_schema")
-    if "limit" in error.lower() or "fuel" in error.lower() or "too" in error.lower():
+    if any(word in error.lower() for word in ("limit", "fuel", "too many", "too large", "too complex")):
         return InvalidSchema(f"{subject} is too complex to enforce: {error.splitlines()[0][:300]}",
                              "schema_too_complex")
     return InvalidSchema(f"{subject} cannot be enforced: {error.splitlines()[0][:300]}", "invalid_schema")
