@@ -155,8 +155,9 @@ class Engine(StreamingMixin):
         self._scheduler = self._core.scheduler
         self._control_tokens = control_tokens(self.loaded.tokenizer)
         self._grammars = GrammarCompiler(self.loaded.tokenizer, self.loaded.vocab_size, self.loaded.eos_token_ids)
-        # Built beside the warm-up, so the first structured answer does not wait for them.
-        threading.Thread(target=lambda: self._grammars.tokenizer, name="vlscope-grammar-tables", daemon=True).start()
+        if self.config.warmup:  # a serving engine: built beside the warm-up, so no first structured answer waits
+            threading.Thread(target=lambda: self._grammars.tokenizer, name="vlscope-grammar-tables",
+                             daemon=True).start()
         self._loop = threading.Thread(target=self._run_loop, name="vlscope-engine-loop", daemon=True)
         self._loop.start()
         if self.config.warmup:

@@ -88,7 +88,7 @@ def tool_call_lark(tools: tuple[Tool, ...], choice: str, parallel: bool, open_id
 
 class GrammarCompiler:
     """Compiles and keeps the grammars of one model's tokenizer. The tokenizer's grammar tables (about a second to
-    build) are made on first use; the engine asks for them in the background as it starts."""
+    build) are made on first use; an engine that warms up asks for them in the background as it starts."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_ids: tuple[int, ...]):
         self._hf_tokenizer, self._vocab_size, self._eos_ids = tokenizer, vocab_size, eos_ids
