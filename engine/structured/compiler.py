@@ -20,7 +20,6 @@ from ..request import ChatRequest, Tool
 # One space after ':' and ',' and none elsewhere: the style the model writes JSON in (and its tool calls), with no
 # runs of whitespace for weak weights to wander into.
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-ANY_OBJECT = '{"type": "object"}'
 # Bounds on building a grammar's lexer and parser, well above any schema under the byte limit that compiles in time.
 LIMITS = dict(initial_lexer_fuel=2_000_000, max_grammar_size=500_000, max_lexer_states=250_000)
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"

@@ -31,20 +31,16 @@ class GrammarMatcher:
     def __init__(self, compiled: CompiledGrammar, vocab_size: int, eos_ids: tuple[int, ...] = ()):
         self.matcher = compiled.matcher.deep_copy()
         self.eos_ids = frozenset(eos_ids)
-        self.vocab_size = vocab_size
         self._bits = np.zeros((vocab_size + 31) // 32, dtype=np.int32)
         self._ready = False  # the bits hold the mask of the tokens allowed next
         self.seconds = 0.0
-        self.overlapped_seconds = 0.0  # mask work done beside a forward step, off the request's path
         _live.add(self)
 
     def fill_mask(self) -> None:
         """The mask of the tokens allowed next, ahead of the choice."""
         if not self._ready:
-            started = time.perf_counter()
             self.matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
             self._ready = True
-            self.overlapped_seconds += time.perf_counter() - started
 
     def allows(self, token: int) -> bool:
         """Whether `token` may come next, checked without the whole mask. End tokens always take the mask (the
