@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.config import DTYPES
 from engine.core.compute import runs_on_compute_thread
 from engine.kernels.system import (
     HIDDEN,
@@ -57,7 +58,7 @@ def advise(report: SystemReport | None = None) -> PrecisionAdvice:
         "the CPU has native bfloat16 instructions" if native else "the CPU has no native bfloat16 instructions",
     ]
     compute = "bfloat16" if bfloat16_matmul_is_faster(torch.get_num_threads()) else "float32"
-    reasons.append(f"bfloat16 or int8 weights would compute in {compute} here (compute_dtype=auto)"
+    reasons.append(f"bfloat16, int8 or int4 weights would compute in {compute} here (compute_dtype=auto)"
                    + ("" if compute == "bfloat16" else ": compact weights for decode, float32 matmul for prefill"))
     recommended = "bfloat16" if prefill_gain > 1.2 and decode_gain > 1.2 else "float32"
     if recommended == "bfloat16":
@@ -109,3 +110,18 @@ def recommend(cases: list[dict], drift: dict, probe: PrecisionAdvice | None = No
         evidence["probe"] = probe.evidence
         reasons += [f"probe: {reason}" for reason in probe.reasons]
     return PrecisionAdvice(recommended, tuple(reasons), evidence)
+
+
+def agreement_line(document: dict | None, same_cpu: bool = True) -> str:
+    """One line: how often 4-bit weights (and the other compact precisions) pick float32's token, from a benchmark
+    document's drift, or how to measure it."""
+    drift = (document or {}).get("drift_vs_float32") or {}
+    measured = {dtype: drift[dtype]["top1_agreement"] for dtype in DTYPES
+                if (drift.get(dtype) or {}).get("top1_agreement") is not None}
+    if "int4" not in measured:
+        return ("What 4 bits cost in agreement is not measured here yet: `python -m bench --quick` measures each "
+                "precision's top-1 agreement with float32.")
+    where = "on this machine" if same_cpu else "on a CPU of another kind"
+    others = ", ".join(f"{dtype} {top1:.1%}" for dtype, top1 in measured.items() if dtype != "int4")
+    return (f"int4 picks float32's token {measured['int4']:.1%} of the time {where}"
+            + (f" ({others})" if others else "") + f", benchmark of {str(document.get('created', ''))[:10]}.")

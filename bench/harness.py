@@ -23,7 +23,7 @@ import torch
 from PIL import Image
 
 from engine.core import compute
-from engine.config import PROJECT_DIR, SKELETON_DIR, EngineConfig
+from engine.config import DTYPES, PROJECT_DIR, SKELETON_DIR, EngineConfig
 from engine.environment import shared_dir
 from engine.client import Engine
 from engine.inputs.limits import fit_to_budget
@@ -32,7 +32,8 @@ from engine.model.loading import has_weights, load_model
 from engine.inputs.preprocess import single_image_inputs
 from engine.kernels.quantize import LINEAR_KINDS
 from engine.request import ChatRequest, Turn
-from engine.kernels.system import memory_read_gb_per_s, system_report
+from engine.kernels.memory_read import memory_read_gb_per_s
+from engine.kernels.system import system_report
 
 from .advisor import advise, recommend
 from .plan import APP_SWEEP, FOLLOW_UPS, IMAGE_SIZES, PROMPT, Case, execution_order, plan
@@ -464,7 +465,7 @@ def run_bench(model: str, quick: bool, repeats: int, images_dir: Path, out_dir: 
         drift_image = bench_image("448x448", images_dir)
         if quick:  # drift is read at text positions; a 64-token image keeps it short where compute is slow
             drift_image = drift_image.resize((256, 256), Image.BICUBIC)
-        drift_results = measure_drift(model, drift_image, ["bfloat16", "int8"], 8 if quick else 32, threads, report)
+        drift_results = measure_drift(model, drift_image, [d for d in DTYPES if d != "float32"], 8 if quick else 32, threads, report)
         advance("drift measured")
     synthetic = not has_weights(Path(model)) if Path(model).is_dir() else False
     advice = recommend([result.to_dict() for result in results], drift_results, advice)

@@ -32,7 +32,7 @@ from pathlib import Path
 import httpx
 from PIL import Image
 
-from engine.config import PROJECT_DIR
+from engine.config import DTYPES, PROJECT_DIR
 from engine.environment import shared_dir
 
 from .cli import machine_line, write_results
@@ -259,7 +259,7 @@ def constrained_ratios(results: list[BurstResult]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.load", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=str(shared_dir() / "qwen3-vl-2b"))
-    parser.add_argument("--dtype", default="int8", choices=["float32", "bfloat16", "int8"])
+    parser.add_argument("--dtype", default="int8", choices=DTYPES)
     parser.add_argument("--clients", type=int, nargs="+", default=[4])
     parser.add_argument("--max-tokens", type=int, nargs="+", default=[64])
     parser.add_argument("--max-batch", type=int, help="VLSCOPE_MAX_BATCH for the vlscope server this starts")

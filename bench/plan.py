@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.config import DTYPES
+
 PROMPT = "Describe this image."
 FOLLOW_UPS = ("What colours stand out?", "Is there any text in it?")
 IMAGE_SIZES = {"448x448": (448, 448), "1280x960": (1280, 960), "1920x1080": (1920, 1080), "4000x3000": (4000, 3000)}
@@ -32,7 +34,7 @@ def plan(quick: bool, cores: int) -> list[Case]:
     precision (a follow-up's time to first token is a target in every one; each runs on the engine its precision
     case already loaded, so it adds seconds, not a load)."""
     tokens = 32 if quick else 128
-    precisions = ("float32", "bfloat16", "int8")
+    precisions = DTYPES
     cases = [Case(f"tuned {d}", "precision", dtype=d, max_new_tokens=tokens) for d in precisions]
     cases += [Case(f"baseline {d}", "baseline", dtype=d, max_new_tokens=tokens, baseline=True)
               for d in (("float32",) if quick else ("float32", "bfloat16"))]

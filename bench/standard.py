@@ -17,7 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from engine.config import PROJECT_DIR
+from engine.config import DTYPES, PROJECT_DIR
 from engine.environment import shared_dir
 from engine.kernels.system import AVX2_DISPATCH
 
@@ -48,7 +48,7 @@ def drift(model: str, isa: str, tokens: int, size: int) -> dict:
     code = ("import json, sys; from bench.harness import bench_image, default_images_dir, measure_drift; "
             "from PIL import Image; size = int(sys.argv[3]); image = bench_image('448x448', default_images_dir())"
             ".resize((size, size), Image.BICUBIC); print(json.dumps(measure_drift(sys.argv[1], image, "
-            "['bfloat16', 'int8'], int(sys.argv[2]), 2, lambda f, m: None)))")
+            "['bfloat16', 'int8', 'int4'], int(sys.argv[2]), 2, lambda f, m: None)))")
     run = subprocess.run([sys.executable, "-c", code, model, str(tokens), str(size)], cwd=PROJECT_DIR, env=env,
                          capture_output=True, text=True, timeout=3600)
     if run.returncode != 0:
@@ -72,7 +72,7 @@ def table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.standard", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=str(shared_dir() / "qwen3-vl-2b"))
-    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "int8"])
+    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES))
     parser.add_argument("--isa", nargs="+", default=["native"], choices=["native", "avx2"])
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--max-new-tokens", type=int, default=64)

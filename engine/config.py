@@ -18,8 +18,8 @@ DEFAULT_MODEL = "Qwen/Qwen3-VL-2B-Instruct"
 # The bundled copy of the model's config and tokenizer, without weights: the app falls back to it offline.
 SKELETON_DIR = PROJECT_DIR / "models" / "qwen3-vl-2b-skeleton"
 
-DTYPES = ("float32", "bfloat16", "int8")
-# What bfloat16 and int8 weights compute in. auto: bfloat16 where this CPU's bfloat16 matmul measures faster
+DTYPES = ("float32", "bfloat16", "int8", "int4")
+# What bfloat16, int8 and int4 weights compute in. auto: bfloat16 where this CPU's bfloat16 matmul measures faster
 # than float32, else float32 with the weights kept compact (see engine/quantize.py).
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
 # How Linear layers run. packed: weights reordered once at load for oneDNN (float32, bfloat16) or fbgemm (int8,

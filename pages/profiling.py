@@ -4,7 +4,7 @@ from collections import Counter
 
 import streamlit as st
 
-from engine import STATUSES, stage_percentiles, to_csv
+from engine import DTYPES, STATUSES, stage_percentiles, to_csv
 from engine.records.stages import REFUSED
 from engine.kernels.system import ISA_FLAGS, system_report
 from ui.charts import (concurrency_chart, label, latency_over_time, records_frame, rss_chart, server_stages, stage_bars,
@@ -21,7 +21,7 @@ window = controls[0].selectbox("Time window", list(WINDOWS), index=1, key="prof_
 statuses = controls[1].multiselect("Status", list(STATUSES), default=list(STATUSES), key="prof_status")
 sources = controls[2].multiselect("Source", ["app", "api", "cli", "bench", "python", "warmup"], key="prof_source",
                                   placeholder="all sources")
-dtypes = controls[3].multiselect("Precision", ["float32", "bfloat16", "int8", "remote"], key="prof_dtype",
+dtypes = controls[3].multiselect("Precision", [*DTYPES, "remote"], key="prof_dtype",
                                  placeholder="all precisions")
 switches = st.columns([1, 1, 4])
 show_warmups = switches[0].toggle("Show warm-ups", value=False, key="prof_warmups")

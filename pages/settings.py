@@ -1,6 +1,10 @@
 """Settings page: change model, precision, threads or image budget; applying reloads the model for everyone."""
+import json
+
 import streamlit as st
 
+from bench.advisor import agreement_line
+from bench.harness import reference_result
 from engine import DTYPES
 from engine.config import COMPILE_MODES, COMPUTE_DTYPES
 from ui.access import admin_sign_in, is_admin
@@ -18,13 +22,28 @@ if not is_admin():
 st.caption("Defaults come from `.streamlit/secrets.toml` ([vlscope] table) and `VLSCOPE_*` environment variables. "
            "Changes here apply to everyone using this server until it restarts.")
 
+
+
+@st.cache_data(ttl=300)
+def precision_agreement() -> str:
+    found = reference_result()
+    if found is None:
+        return agreement_line(None)
+    path, same_cpu = found
+    try:
+        return agreement_line(json.loads(path.read_text()), same_cpu)
+    except (OSError, ValueError):
+        return agreement_line(None)
+
+
 with st.form("settings_form"):
     model = st.text_input("Model (hub id, folder with weights, or skeleton folder)", current.model, key="set_model")
     left, right = st.columns(2)
     dtype = left.selectbox("Precision", DTYPES, index=DTYPES.index(current.dtype), key="set_dtype")
     threads = right.number_input("Threads", 1, 512, current.threads, key="set_threads")
+    left.caption(precision_agreement())
     compute_dtype = left.selectbox(
-        "Compute (bfloat16 and int8 weights)", COMPUTE_DTYPES, index=COMPUTE_DTYPES.index(current.compute_dtype),
+        "Compute (bfloat16, int8 and int4 weights)", COMPUTE_DTYPES, index=COMPUTE_DTYPES.index(current.compute_dtype),
         key="set_compute_dtype",
         help="auto: bfloat16 where this CPU's bfloat16 matmul measures faster than float32, else float32 with the "
              "weights kept compact. float32 weights always compute in float32.")

@@ -7,9 +7,10 @@ import sys
 
 import pytest
 
-from bench.advisor import advise
+from bench.advisor import advise, agreement_line
 from bench.harness import bench_image, reference_result, run_baseline_case, run_engine_case
 from bench.plan import Case, execution_order, plan
+from engine.config import DTYPES
 from engine.kernels.system import system_report
 
 from .conftest import FULL_SKELETON, ROOT
@@ -36,7 +37,7 @@ def test_quick_bench_writes_json_markdown_and_html(tiny_model, images_dir, tmp_p
     assert document["ceilings"]["memory_read_gb_per_s"] > 0
     assert document["ceilings"]["matmul_gflops"]["float32"] > 0
     cases = {c["case"]["name"]: c for c in document["cases"]}
-    assert {"tuned float32", "tuned bfloat16", "tuned int8", "baseline float32", "multi-turn float32"} <= set(cases)
+    assert {"tuned float32", "tuned bfloat16", "tuned int8", "tuned int4", "baseline float32", "multi-turn float32"} <= set(cases)
     for case in cases.values():
         summary = case["summary"]
         assert summary["ttft_s"]["median"] > 0 and summary["e2e_s"]["median"] >= summary["ttft_s"]["median"]
@@ -45,23 +46,24 @@ def test_quick_bench_writes_json_markdown_and_html(tiny_model, images_dir, tmp_p
     assert all(r["cached_prompt_tokens"] == 0 for r in cases["tuned float32"]["runs"])
     assert cases["tuned float32"]["summary"]["compute_dtype"] == "float32"
     assert cases["tuned int8"]["summary"]["compute_dtype"] in ("float32", "bfloat16")
+    assert cases["tuned int4"]["summary"]["compute_dtype"] == cases["tuned int8"]["summary"]["compute_dtype"]
     tuned = cases["tuned float32"]["summary"]
     assert {"vision_encode", "prefill", "decode"} <= set(tuned["stages"])
     assert 0 < tuned["decode_fraction_of_bandwidth_ceiling"]
     multi = cases["multi-turn float32"]
     assert [r["turn"] for r in multi["runs"]] == [1, 2, 3] * multi["summary"]["repetitions"]
     assert all(r["cached_prompt_tokens"] > r["vision_tokens"] for r in multi["runs"] if r["turn"] > 1)  # image not re-encoded
-    assert set(document["drift_vs_float32"]) == {"bfloat16", "int8"}
-    # the advice weighs all three precisions end to end, with their drift, and the record names its commit
+    assert set(document["drift_vs_float32"]) == {"bfloat16", "int8", "int4"}
+    # the advice weighs all four precisions end to end, with their drift, and the record names its commit
     advice = document["precision_advice"]
-    assert advice["recommended"] in ("float32", "bfloat16", "int8")
-    assert set(advice["evidence"]["end_to_end_s"]) == {"float32", "bfloat16", "int8"}
-    assert all(any(reason.startswith(f"{d}: ") for reason in advice["reasons"]) for d in ("float32", "bfloat16", "int8"))
+    assert advice["recommended"] in DTYPES
+    assert set(advice["evidence"]["end_to_end_s"]) == set(DTYPES)
+    assert all(any(reason.startswith(f"{d}: ") for reason in advice["reasons"]) for d in DTYPES)
     assert len(document["code"]["commit"]) == 40
     for drift in document["drift_vs_float32"].values():
         assert 0 <= drift["top1_agreement"] <= 1 and drift["max_abs_logit_error"] >= 0
     # the other server answered the same requests, A B A B with each precision: as many runs as vlscope's
-    for dtype in ("float32", "bfloat16", "int8"):
+    for dtype in DTYPES:
         theirs, ours = cases[f"against {dtype}"], cases[f"tuned {dtype}"]
         assert theirs["case"]["group"] == "against" and len(theirs["runs"]) == len(ours["runs"]) >= 1
         assert all(r["dtype"] == "remote" and r["status"] == "ok" for r in theirs["runs"])
@@ -70,7 +72,7 @@ def test_quick_bench_writes_json_markdown_and_html(tiny_model, images_dir, tmp_p
     assert document["against"]["url"] == f"{url}/v1"
     markdown = (out / "bench.md").read_text()
     assert markdown.count("\n| ") >= len(cases) + 2 and "baseline float32" in markdown
-    assert "decode ratio" in markdown and markdown.count("| tuned ") >= 6  # the case table and the comparison
+    assert "decode ratio" in markdown and markdown.count("| tuned ") >= 8  # the case table and the comparison
     assert "plotly" in (out / "bench.html").read_text()[:100000].lower()
 
 
@@ -86,7 +88,7 @@ def test_quick_plan_measures_follow_ups_in_each_precision_and_loads_each_model_o
     def multi_turn(cases):
         return [c.dtype for c in cases if c.group == "multi_turn"]
 
-    assert multi_turn(plan(True, 2)) == ["float32", "bfloat16", "int8"]
+    assert multi_turn(plan(True, 2)) == ["float32", "bfloat16", "int8", "int4"]
     for cases in (plan(True, 2), plan(False, 4)):
         order = execution_order(cases)
         assert sorted(c.name for c in order) == sorted(c.name for c in cases)
@@ -324,3 +326,13 @@ def test_grammars_measures_a_schema_set_and_names_what_it_refuses(tmp_path):
     assert (ours["schemas"], ours["compiled"], ours["refusals"]) == (2, 1, {"unsupported_schema": 1})
     assert (ours["instances"], ours["agreed"], ours["accepted_invalid"]) == (4, 4, 0)
     assert ours["compile_ms"]["p50"] > 0 and "| llguidance | 1 of 2 (50%)" in out.with_suffix(".md").read_text()
+
+
+def test_the_settings_line_says_what_four_bits_cost():
+    document = {"created": "2026-12-06T08:00:00", "drift_vs_float32": {
+        "bfloat16": {"top1_agreement": 0.987}, "int8": {"top1_agreement": 0.974}, "int4": {"top1_agreement": 0.818}}}
+    assert agreement_line(document) == ("int4 picks float32's token 81.8% of the time on this machine (bfloat16 98.7%, "
+                                        "int8 97.4%), benchmark of 2026-12-06.")
+    assert "another kind" in agreement_line(document, same_cpu=False)
+    del document["drift_vs_float32"]["int4"]
+    assert "python -m bench --quick" in agreement_line(document) and "python -m bench" in agreement_line(None)

@@ -7,7 +7,8 @@ import sys
 import pytest
 import torch
 
-from engine.kernels.decode_attention import KernelAttention, MatmulAttention, best, cache_folder, choose
+from engine.kernels.decode_attention import KernelAttention, MatmulAttention, best, choose
+from engine.kernels.native import cache_folder
 from engine.kernels.decode_attention import SequenceKV
 
 from .conftest import ROOT

@@ -54,10 +54,17 @@ def _decode(loaded, state, token: int, forced: list[int] | None = None) -> tuple
 ENGINE_CHOICE = "engine"
 CASES = [("float32", "float32", None, 0.0), ("bfloat16", "bfloat16", None, 0.0), ("int8", "bfloat16", None, 0.0),
          ("int8", "bfloat16", torch.float32, 0.15), ("int8", "float32", torch.float32, 0.0),
-         ("bfloat16", "bfloat16", ENGINE_CHOICE, 0.15)]
+         ("bfloat16", "bfloat16", ENGINE_CHOICE, 0.15), ("int4", "bfloat16", None, 0.0),
+         ("int4", "bfloat16", torch.float32, 0.15)]
 # Without int8 dot products (VNNI, AMX) one token's activations keep 7 bits: a value that lands on another level
 # moves twice as far. (Products of several rows stay 8-bit and exact, on two 7-bit halves.)
 INT8_SCALE = 1.0 if has_int8_dot_product() else 127 / 63
+
+
+def rounding_scale(dtype: str) -> float:
+    """How far a compact precision's activation rounding may move a result, against int8's one-token rounding:
+    int4's kernel rounds each row over +-max in 127 levels, fbgemm's one-token op over [min, max] in 255."""
+    return {"int8": INT8_SCALE, "int4": 2.0}.get(dtype, 1.0)
 
 
 # A bfloat16 value's spacing relative to its size (2^-7).
@@ -76,7 +83,7 @@ def _hidden_and_tolerance(loaded, hidden, tolerance: float, dtype: str):
     if hidden == ENGINE_CHOICE:
         hidden = hidden_dtype(loaded)
         tolerance = tolerance if hidden is not None else 0.0
-    return hidden, tolerance * (INT8_SCALE if dtype == "int8" else 1.0)
+    return hidden, tolerance * rounding_scale(dtype)
 
 
 @pytest.mark.parametrize("dtype, compute, hidden, tolerance", CASES)
@@ -108,7 +115,7 @@ def test_direct_step_decodes_as_transformers_does(tiny_model, images_dir, dtype,
         torch.testing.assert_close(got, want, atol=tolerance, rtol=0.0)
     # The answer's keys and values, handed back in the cache's dtype: the prefix cache's next turn starts from them.
     # (bfloat16 keys differ by a few roundings where the hidden state before them was kept in float32.)
-    scale = INT8_SCALE if dtype == "int8" else 1.0
+    scale = rounding_scale(dtype)
     for layer, (got, want) in enumerate(zip(state.cache.layers, reference.cache.layers)):
         assert got.keys.shape == want.keys.shape and got.keys.shape[2] == prompt_length + STEPS
         assert got.keys.dtype == want.keys.dtype
@@ -202,7 +209,8 @@ def _prefill_prompt(loaded, picture: Image.Image | None, question: str):
     return int(logits.argmax()), state
 
 
-@pytest.mark.parametrize("dtype, compute", [("float32", "float32"), ("bfloat16", "bfloat16"), ("int8", "bfloat16")])
+@pytest.mark.parametrize("dtype, compute", [("float32", "float32"), ("bfloat16", "bfloat16"), ("int8", "bfloat16"),
+                                            ("int4", "bfloat16")])
 def test_a_batch_decodes_each_sequence_as_it_decodes_alone(tiny_model, images_dir, dtype, compute):
     """Three sequences of different lengths (two pictures of other sizes, one text prompt) in one batch: the second
     joins late, the first leaves early. Fed the tokens each chose alone, every row gives the logits it gave alone
@@ -242,7 +250,8 @@ def test_a_batch_decodes_each_sequence_as_it_decodes_alone(tiny_model, images_di
 
     # int8: a lone token is quantized over its [min, max] in 255 levels (fbgemm's dynamic op), a batch's rows each
     # over +-max in 127: up to twice the rounding of the other int8 cases.
-    tolerance = {"float32": 1e-4, "bfloat16": 0.15, "int8": 0.3 * INT8_SCALE}[dtype]
+    # int4 rounds each row alone, whatever the batch.
+    tolerance = {"float32": 1e-4, "bfloat16": 0.15, "int8": 0.3 * INT8_SCALE, "int4": 0.15}[dtype]
     for i, (_, tokens, logits, reference) in enumerate(alone):
         count = leaves[i] - joins[i]
         if dtype == "float32":

@@ -20,6 +20,7 @@ from engine.kernels.fusion import StackedPart, stack_projections_, stacked_produ
 from engine.model.loading import decode_weight_bytes, load_model
 from engine.inputs.preprocess import chat_messages, patchify_images, tokenize_prompt
 from engine.kernels.packing import PackedLinear, keeps_fp16_copy, packing_works, wide_layout_pays
+from engine.kernels.int4 import Int4Linear
 from engine.kernels.quantize import Bf16Embedding, Bf16Linear, Int8Linear, has_int8_dot_product
 
 # Tests of the kernels a CPU may or may not have: tests/test_isa.py runs them again under AVX2-only dispatch.
@@ -106,10 +107,11 @@ def test_text_only_and_multi_turn_with_several_images(engine, images_dir):
     assert follow_up.metrics.prompt_tokens > first.metrics.prompt_tokens
 
 
-def test_bf16_int8_and_no_kv_cache_run(make_engine, images_dir):
+def test_bf16_int8_int4_and_no_kv_cache_run(make_engine, images_dir):
     request = ChatRequest(prompt="Describe", images=(images_dir / "chelsea.png",), max_new_tokens=6)
     for settings in (dict(dtype="bfloat16", compute_dtype="bfloat16"), dict(dtype="bfloat16", compute_dtype="float32"),
                      dict(dtype="int8", compute_dtype="bfloat16"), dict(dtype="int8", compute_dtype="float32"),
+                     dict(dtype="int4", compute_dtype="bfloat16"), dict(dtype="int4", compute_dtype="float32"),
                      dict(kv_cache=False)):
         engine = make_engine(**settings)
         metrics = engine.ask(request).metrics
@@ -121,6 +123,11 @@ def test_bf16_int8_and_no_kv_cache_run(make_engine, images_dir):
     assert isinstance(layer, Int8Linear) and layer.packed_nbytes == layer.in_features * layer.out_features
     assert isinstance(int8.model.lm_head, Int8Linear)
     assert int8.weight_bytes < plain.weight_bytes
+    int4 = make_engine(dtype="int4").loaded
+    layer = int4.model.model.language_model.layers[0].mlp.gate_up_proj.linear
+    weights = layer.in_features * layer.out_features  # two a byte, and a float16 scale and offset a group
+    assert isinstance(layer, Int4Linear) and layer.packed.numel() == weights // 2 + weights // layer.group * 4
+    assert int4.decode_weight_bytes < int8.decode_weight_bytes
 
 
 def test_too_long_prompt_is_refused_before_compute(make_engine, images_dir):
@@ -314,7 +321,7 @@ def test_config_from_env():
     with pytest.raises(ValueError, match="VLSCOPE_THREADS"):
         EngineConfig.from_env({"VLSCOPE_THREADS": "many"})
     with pytest.raises(ValueError, match="dtype"):
-        EngineConfig(dtype="int4")
+        EngineConfig(dtype="int3")
 
 
 @kernels

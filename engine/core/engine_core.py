@@ -18,7 +18,7 @@ import torch
 
 from ..config import EngineConfig
 from ..errors import GenerationFailed
-from ..kernels.system import memory_read_gb_per_s
+from ..kernels.memory_read import memory_read_gb_per_s
 from ..model import decode_backend
 from ..model.generate import decode_batch, decode_one_token, detach_step
 from ..model.loading import LoadedModel, load_model

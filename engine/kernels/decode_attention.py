@@ -15,17 +15,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
-from .system import cpu_flags, held_to_avx2
+from . import native
+from .system import held_to_avx2
 
 log = logging.getLogger(__name__)
 
@@ -53,46 +50,8 @@ def single_query(grouped: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     probs = torch.softmax(scores.transpose(1, 2), dim=-1)
     return torch.bmm(probs, values)
 
-def cache_folder() -> Path:
-    """Where built kernels are kept: the user's cache folder, else (not writable) a folder of this user's own in the
-    temporary folder. Only a folder this user owns and nobody else can write to: a library found there is loaded."""
-    for folder in (Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vlscope" / "kernels",
-                   Path(tempfile.gettempdir()) / f"vlscope-kernels-{os.getuid()}"):
-        try:
-            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-            status = folder.stat()
-            if status.st_uid == os.getuid() and not status.st_mode & 0o022 and os.access(folder, os.W_OK):
-                return folder
-        except OSError:
-            continue
-    raise RuntimeError("no cache folder of this user's own to build the kernel in")
-
-def _isa_flags() -> list[str]:
-    return ["-mavx2", "-mfma", "-mf16c"] if held_to_avx2() else ["-march=native"]
-
-def _build(compiler: str, folder: Path) -> Path:
-    """The shared library for this source, compiler and instruction set, built unless already there."""
-    flags = ["-O3", "-ffast-math", "-fopenmp", "-fPIC", *_isa_flags()]
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    # The CPU's flags too: a home folder shared by machines of other kinds must not hand one another's build over.
-    parts = [SOURCE.read_text(), version, *flags, *sorted(cpu_flags())]
-    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
-    library = folder / f"decode_attention-{key}.so"
-    if library.exists():
-        return library
-    with tempfile.TemporaryDirectory(dir=folder) as work:
-        objects, built = Path(work) / "kernel.o", Path(work) / "kernel.so"
-        # Linked without -ffast-math: GCC would add crtfastmath, which flushes denormals for the whole process.
-        for command in ([compiler, *flags, "-c", str(SOURCE), "-o", str(objects)],
-                        [compiler, "-shared", "-fopenmp", str(objects), "-o", str(built), "-lm"]):
-            result = subprocess.run(command, capture_output=True, text=True, timeout=120)
-            if result.returncode != 0:
-                raise RuntimeError((result.stderr.strip().splitlines() or ["no output"])[-1][:200])
-        os.replace(built, library)  # whole or not at all, if two processes build at once
-    return library
-
-def _load(library: Path):
-    function = ctypes.CDLL(str(library)).decode_attention
+def _load(library: ctypes.CDLL):
+    function = library.decode_attention
     function.restype = ctypes.c_int
     int64, address = ctypes.c_int64, ctypes.c_void_p
     function.argtypes = [int64, int64, int64, int64, address, address, address, address, address, address, address,
@@ -195,7 +154,7 @@ def choose(compiler: str | None) -> tuple[KernelAttention | MatmulAttention, str
     if not compiler:
         return MatmulAttention(), "attention on PyTorch's matmuls: no C compiler to build vlscope's kernel"
     try:
-        kernel = KernelAttention(_load(_build(compiler, cache_folder())))
+        kernel = KernelAttention(_load(native.load(SOURCE, compiler)))
         with torch.inference_mode():
             if not all(_agrees(kernel, dtype) for dtype in (torch.float32, torch.bfloat16)):
                 return MatmulAttention(), "attention on PyTorch's matmuls: vlscope's kernel disagreed with them here"
@@ -208,4 +167,4 @@ def choose(compiler: str | None) -> tuple[KernelAttention | MatmulAttention, str
 def best() -> tuple[KernelAttention | MatmulAttention, str]:
     """What decode attends with in this process. One choice for the process: the direct step and transformers'
     forward attend alike, so their logits agree to the bit."""
-    return choose(os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc"))
+    return choose(native.compiler())

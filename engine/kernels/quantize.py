@@ -1,4 +1,4 @@
-"""Weights stored in fewer bytes than they compute in: int8 (language model) and bfloat16 inside a float32 model.
+"""Weights stored in fewer bytes than they compute in: int8 and int4 (language model), bfloat16 inside a float32 model.
 
 Decode reads every weight once per token, so it is paid in bytes; prefill and the vision tower are paid in
 matmul rate. The two are chosen separately: decode-sized products (a few rows) go through the compact kernel,
@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .int4 import Int4Linear
 from .packing import PackedLinear, quantized_engine
 from .system import cpu_flags
 
@@ -137,22 +138,46 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 x int8 (fbgemm)"
 
 
-def quantize_int8_(model: nn.Module) -> int:
-    """Swap the language model's Linear layers and the LM head for Int8Linear, one at a time, so that only one
-    layer's wide weight and its int8 copy are alive at once. Returns how many were swapped.
 
-    The LM head is tied to the token embeddings: it gets its own int8 copy and the embeddings stay as they are
-    (only looked up, one row per token)."""
+
+def quantize_language_model_(model: nn.Module, layer, head=None) -> int:
+    """Swap the language model's Linear layers for `layer(weight, bias)` and the LM head for `head(weight, bias)`
+    (`layer` if None), one at a time, so that only one layer's wide weight and its compact copy are alive at once.
+    Returns how many were swapped.
+
+    The LM head is tied to the token embeddings: it gets its own copy and the embeddings stay as they are (only
+    looked up, one row per token)."""
     language_model = model.model.language_model
     swapped = 0
     for parent in list(language_model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(parent, name, Int8Linear(child.weight, child.bias))
+                setattr(parent, name, layer(child.weight, child.bias))
                 child.weight = None  # the wide copy goes now, not when the loop's references drop
                 swapped += 1
-    model.lm_head = Int8Linear(model.lm_head.weight, getattr(model.lm_head, "bias", None))
+    model.lm_head = (head or layer)(model.lm_head.weight, getattr(model.lm_head, "bias", None))
     return swapped + 1
+
+
+def quantize_int8_(model: nn.Module) -> int:
+    """The language model's Linears and LM head as Int8Linear."""
+    return quantize_language_model_(model, Int8Linear)
+
+
+def int4_or_int8(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
+    """Int4Linear where the layer's shape fits its kernel's tiles, else Int8Linear."""
+    return (Int4Linear if Int4Linear.fits(*weight.shape) else Int8Linear)(weight, bias)
+
+
+# The LM head of int4: 4-bit too. It is a sixth of what a token reads, and at 8 bits it moved agreement with float32
+# by one position in 77 (docs/decisions.md, "Four-bit weights").
+INT4_HEAD = int4_or_int8
+
+
+def quantize_int4_(model: nn.Module) -> int:
+    """The language model's Linears as Int4Linear (Int8Linear where a shape does not fit its tiles); the LM head
+    as INT4_HEAD makes it (docs/decisions.md, "Four-bit weights")."""
+    return quantize_language_model_(model, int4_or_int8, INT4_HEAD)
 
 
 class Bf16Linear(CompactLinear):
@@ -181,7 +206,7 @@ def linear_weight_bytes(module: nn.Module) -> int:
                + [b for b in module.buffers(recurse=False) if b is not None])
 
 
-LINEAR_KINDS = (nn.Linear, CompactLinear, Int8Linear, PackedLinear)
+LINEAR_KINDS = (nn.Linear, CompactLinear, Int8Linear, Int4Linear, PackedLinear)
 
 
 class Bf16Embedding(nn.Module):
@@ -204,7 +229,7 @@ def compute_in_float32_(model: nn.Module) -> None:
     biases) is small and becomes float32. Activations, attention and the KV cache are then float32."""
     token_embedding = model.get_input_embeddings()
     for parent in list(model.modules()):
-        if isinstance(parent, (CompactLinear, Int8Linear, PackedLinear, Bf16Embedding)):
+        if isinstance(parent, (CompactLinear, Int8Linear, Int4Linear, PackedLinear, Bf16Embedding)):
             continue
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):

@@ -80,18 +80,6 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(_cpuinfo()[1])
 
 
-def memory_read_gb_per_s(gib: float = 0.5, repeats: int = 3) -> float:
-    """How fast this process reads memory: the sum of a float32 tensor far beyond the caches, best of `repeats`.
-    Decode reads every weight once per token, so this is its ceiling."""
-    big = torch.ones(int(gib * (1 << 30)) // 4)
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        big.sum()
-        best = min(best, time.perf_counter() - started)
-    return big.numel() * 4 / best / 1e9
-
-
 def _thp_setting() -> str:
     try:
         text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().strip()

@@ -43,11 +43,11 @@ def compiles_when_auto(dtype: str, compute_dtype: str, kernels: str) -> bool:
 
 
 def hidden_dtype(loaded) -> torch.dtype | None:
-    """What the direct step keeps its hidden state in between operations. int8 products, and bfloat16 ones on
+    """What the direct step keeps its hidden state in between operations. int8 and int4 products, and bfloat16 ones on
     fbgemm's float16 copy, take and give float32: rounding it to bfloat16 between them is work for nothing.
     Otherwise the model's own dtype, as
     transformers' layers keep it."""
-    if loaded.dtype == "int8":
+    if loaded.dtype in ("int8", "int4"):
         return torch.float32
     return getattr(loaded.model.lm_head, "one_row_dtype", None)
 

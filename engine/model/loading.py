@@ -27,8 +27,9 @@ from ..errors import ModelUnavailable
 from ..kernels.fusion import stack_projections_
 from ..kernels.packing import pack_remaining_linears
 from .memory_pages import release_freed_memory
+from ..kernels.int4 import best as best_int4
 from ..kernels.quantize import (INT8_WITHOUT_VNNI, LINEAR_KINDS, compute_in_float32_, has_int8_dot_product, linear_weight_bytes,
-                       quantize_int8_)
+                       quantize_int4_, quantize_int8_)
 from ..kernels.system import bfloat16_matmul_is_faster
 
 log = logging.getLogger(__name__)
@@ -55,7 +56,7 @@ class LoadedModel:
     image_token_id: int
     name: str
     synthetic: bool
-    dtype: str  # how the weights are stored: float32, bfloat16 or int8
+    dtype: str  # how the weights are stored: float32, bfloat16, int8 or int4
     compute_dtype: str  # what activations, attention and the KV cache are in: float32 or bfloat16
     weight_bytes: int
     load_seconds: float
@@ -73,7 +74,7 @@ def has_weights(folder: Path) -> bool:
 
 
 def _torch_dtype(dtype: str) -> torch.dtype:
-    # int8 swaps the language model's weights into a bfloat16 model; the rest of its weights stay bfloat16.
+    # int8 and int4 swap the language model's weights into a bfloat16 model; the rest of its weights stay bfloat16.
     return torch.float32 if dtype == "float32" else torch.bfloat16
 
 
@@ -264,12 +265,18 @@ def _convert(model: nn.Module, config: EngineConfig, report) -> tuple[str, list[
     if config.dtype == "int8":
         report(0.8, "Quantizing the language model's Linear layers to int8")
         quantize_int8_(model)
+    elif config.dtype == "int4":
+        kernel, why = best_int4()
+        if kernel is None:  # no other kernel reads these weights: refuse the load rather than fall back silently
+            raise ModelUnavailable(f"{why}. int4 needs it; int8 runs without it.")
+        report(0.8, "Quantizing the language model's Linear layers to 4 bits")
+        quantize_int4_(model)
     compute_dtype = resolve_compute_dtype(config)
     if compute_dtype == "float32" and config.dtype != "float32":
         report(0.9, f"{config.dtype} weights, float32 compute (faster on this CPU)")
         compute_in_float32_(model)
     notes = []
-    if config.dtype == "int8" and not has_int8_dot_product():
+    if config.dtype in ("int8", "int4") and not has_int8_dot_product():
         notes.append(INT8_WITHOUT_VNNI)
     if config.kernels == "packed":
         # The language model's Linears are packed by the decode backend, which may compile them instead.
