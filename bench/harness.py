@@ -88,7 +88,7 @@ class BenchResult:
 def measure_ceilings(threads: int) -> dict:
     """Memory bandwidth (read of a tensor much larger than the caches) and matmul rates at model-like shapes."""
     torch.set_num_threads(threads)
-    bandwidth = memory_read_gb_per_s(gib=2.0)
+    bandwidth = memory_read_gb_per_s()
     rates = {}
     for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
         # The weight laid out as nn.Linear keeps it, (out, in): the other layout can take a path 60x slower

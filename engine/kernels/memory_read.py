@@ -2,8 +2,9 @@
 
 Decode reads every weight once per token, so its rate is bounded by the memory's read rate. A reduction through
 PyTorch (a tensor's sum) measured below what llama.cpp reads in the same run, so the figure comes from
-memory_read.c: every thread streams its share at the machine's own vector width, best of several tries. Where no
-kernel builds, PyTorch's sum stands in, and the figure says less.
+memory_read.c: every thread streams its share at the machine's own vector width, best of several tries (on a
+shared host the rate moves by a third from one second to the next). Where no kernel builds, PyTorch's sum stands
+in, and the figure says less.
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def _stream_read():
     return function
 
 
-def memory_read_gb_per_s(gib: float = 1.0, repeats: int = 5, threads: int | None = None) -> float:
+def memory_read_gb_per_s(gib: float = 0.5, repeats: int = 10, threads: int | None = None) -> float:
     """GB/s this process reads from a buffer far beyond the caches, on `threads` threads (PyTorch's count by
     default), best of `repeats` after one untimed pass."""
     words = torch.ones(int(gib * (1 << 30)) // 8 // 64 * 64, dtype=torch.int64)
