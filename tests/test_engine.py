@@ -21,7 +21,7 @@ from engine.model.loading import decode_weight_bytes, load_model
 from engine.inputs.preprocess import chat_messages, patchify_images, tokenize_prompt
 from engine.kernels.packing import PackedLinear, keeps_fp16_copy, packing_works, wide_layout_pays
 from engine.kernels.int4 import Int4Linear
-from engine.kernels.quantize import Bf16Embedding, Bf16Linear, Int8Linear, has_int8_dot_product
+from engine.kernels.quantize import Bf16Embedding, Bf16Linear, Int8Linear, has_int8_dot_product, int8_vision_is_faster
 
 # Tests of the kernels a CPU may or may not have: tests/test_isa.py runs them again under AVX2-only dispatch.
 kernels = pytest.mark.kernels
@@ -118,7 +118,8 @@ def test_bf16_int8_int4_and_no_kv_cache_run(make_engine, images_dir):
         assert metrics.status == "ok" and metrics.output_tokens == 6, settings
         assert metrics.dtype == engine.config.dtype and metrics.kv_cache == engine.config.kv_cache
         assert metrics.compute_dtype == settings.get("compute_dtype", "float32") == engine.info.compute_dtype
-    int8, plain = make_engine(dtype="int8").loaded, make_engine().loaded
+    int8_engine, plain = make_engine(dtype="int8"), make_engine().loaded
+    int8 = int8_engine.loaded
     layer = int8.model.model.language_model.layers[0].mlp.gate_up_proj.linear
     assert isinstance(layer, Int8Linear) and layer.packed_nbytes == layer.in_features * layer.out_features
     assert isinstance(int8.model.lm_head, Int8Linear)
@@ -128,6 +129,10 @@ def test_bf16_int8_int4_and_no_kv_cache_run(make_engine, images_dir):
     weights = layer.in_features * layer.out_features  # two a byte, and a float16 scale and offset a group
     assert isinstance(layer, Int4Linear) and layer.packed.numel() == weights // 2 + weights // layer.group * 4
     assert int4.decode_weight_bytes < int8.decode_weight_bytes
+    # the vision tower goes int8 too where this CPU's int8 products beat its matmuls (measured at load)
+    vision = int8.model.model.visual.blocks[0].mlp.linear_fc1
+    quick = has_int8_dot_product() and int8_vision_is_faster(int8_engine.config.threads, int8.compute_dtype)
+    assert isinstance(vision, Int8Linear) == quick
 
 
 def test_too_long_prompt_is_refused_before_compute(make_engine, images_dir):

@@ -43,37 +43,11 @@ def quantize_groups(weight: torch.Tensor, group: int = GROUP) -> tuple[torch.Ten
         scale, offset = ((high - low) / 15).half(), low.half()
         if not (torch.isfinite(scale).all() and torch.isfinite(offset).all()):
             raise ValueError("a weight is beyond float16's range: 4-bit groups keep float16 scales")
-        level = _levels(block, scale, offset)
-        for _ in range(REFINE_STEPS):
-            scale, offset = _fitted(block, level, scale, offset)
-            level = _levels(block, scale, offset)
+        divisor = torch.where(scale.float() > 0, scale.float(), torch.ones(()))
+        level = ((block - offset.float()[..., None]) / divisor[..., None]).round_().clamp_(0, 15)
         levels[start:start + 1024] = level.view(-1, in_features).to(torch.uint8)
         scales[start:start + 1024], offsets[start:start + 1024] = scale, offset
     return levels, scales, offsets
-
-
-# Least-squares refits of each group's scale and offset to its levels after min-max: about 5% less error per
-# weight for a few tenths of a second at load (docs/decisions.md, "Four-bit weights").
-REFINE_STEPS = 2
-
-
-def _levels(block: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
-    divisor = torch.where(scale.float() > 0, scale.float(), torch.ones(()))
-    return ((block - offset.float()[..., None]) / divisor[..., None]).round_().clamp_(0, 15)
-
-
-def _fitted(block: torch.Tensor, level: torch.Tensor, scale: torch.Tensor,
-            offset: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The float16 scale and offset that fit `block` best by least squares for these levels (the given ones where
-    the levels are all equal, or the fit leaves float16's range)."""
-    count = block.shape[-1]
-    level_sum, weight_sum = level.sum(-1), block.sum(-1)
-    determinant = count * (level * level).sum(-1) - level_sum * level_sum
-    fitted_scale = (count * (level * block).sum(-1) - level_sum * weight_sum) / determinant.clamp(min=1e-12)
-    fitted_offset = (weight_sum - fitted_scale * level_sum) / count
-    fitted_scale, fitted_offset = fitted_scale.half(), fitted_offset.half()
-    keep = (determinant > 0) & torch.isfinite(fitted_scale) & torch.isfinite(fitted_offset) & (fitted_scale >= 0)
-    return torch.where(keep, fitted_scale, scale), torch.where(keep, fitted_offset, offset)
 
 
 def pack(levels: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -204,7 +178,9 @@ class Int4Linear(nn.Module):
         if rows.dtype not in (torch.float32, torch.bfloat16):
             rows = rows.float()
         out = self.kernel.product(rows.contiguous(), self)
-        return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+        if x.dim() != 2:
+            out = out.reshape(*x.shape[:-1], self.out_features)
+        return out if x.dtype == torch.float32 else out.to(x.dtype)
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weight this layer computes with (for tests and drift checks)."""

@@ -12,12 +12,12 @@ import ctypes
 import functools
 import logging
 import subprocess
-import time
 from pathlib import Path
 
 import torch
 
 from . import native
+from .system import best_seconds
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +48,4 @@ def memory_read_gb_per_s(gib: float = 0.5, repeats: int = 10, threads: int | Non
     else:
         def read():
             words.sum()
-    read()
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        read()
-        best = min(best, time.perf_counter() - started)
-    return words.numel() * 8 / best / 1e9
+    return words.numel() * 8 / best_seconds(read, repeats) / 1e9

@@ -10,6 +10,7 @@ docs/decisions.md ("Linear kernels", "What bfloat16 and int8 weights compute in"
 """
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -17,8 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .int4 import Int4Linear
-from .packing import PackedLinear, quantized_engine
-from .system import cpu_flags
+from .packing import PackedLinear, packing_works, quantized_engine
+from .system import best_seconds, cpu_flags
 
 KERNEL_DTYPE = torch.bfloat16  # activations of CompactLinear's decode-sized products
 # Above this many rows (prefill) CompactLinear widens its weight and runs one matmul in the compute dtype: the
@@ -162,6 +163,45 @@ def quantize_language_model_(model: nn.Module, layer, head=None) -> int:
 def quantize_int8_(model: nn.Module) -> int:
     """The language model's Linears and LM head as Int8Linear."""
     return quantize_language_model_(model, Int8Linear)
+
+
+def quantize_vision_int8_(model: nn.Module) -> int:
+    """Swap the vision tower's Linear layers for Int8Linear (rows each scaled to int8, as the language model's).
+    Returns how many were swapped."""
+    swapped = 0
+    for parent in list(model.model.visual.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, Int8Linear(child.weight, child.bias))
+                child.weight = None
+                swapped += 1
+    return swapped
+
+
+# A vision tower's product for a 448x448 picture: 784 patches into a 1024 -> 4096 projection.
+VISION_ROWS, VISION_IN, VISION_OUT = 784, 1024, 4096
+
+
+@functools.cache
+def int8_vision_is_faster(threads: int, compute_dtype: str) -> bool:
+    """Whether a vision-sized product runs faster through fbgemm's int8 than packed in `compute_dtype`, timed now
+    (a few tenths of a second; cached per thread count). The vision tower is paid in matmul rate, and VNNI's int8
+    products add twice bfloat16's pairs an instruction; AMX's bfloat16 tiles, which fbgemm lacks, would not lose."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        generator = torch.Generator().manual_seed(0)
+        dtype = torch.bfloat16 if compute_dtype == "bfloat16" else torch.float32
+        linear = nn.Linear(VISION_IN, VISION_OUT, dtype=dtype)
+        with torch.no_grad():
+            linear.weight.copy_(torch.randn(VISION_OUT, VISION_IN, generator=generator) / 32)
+        rows = torch.randn(VISION_ROWS, VISION_IN, generator=generator).to(dtype)
+        wide = PackedLinear(linear) if packing_works(dtype) else linear
+        compact = Int8Linear(linear.weight.detach().float(), None)
+        with torch.inference_mode():
+            return best_seconds(lambda: compact(rows), 3) < best_seconds(lambda: wide(rows), 3)
+    finally:
+        torch.set_num_threads(previous)
 
 
 def int4_or_int8(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:

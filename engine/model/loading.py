@@ -29,7 +29,7 @@ from ..kernels.packing import pack_remaining_linears
 from .memory_pages import release_freed_memory
 from ..kernels.int4 import best as best_int4
 from ..kernels.quantize import (INT8_WITHOUT_VNNI, LINEAR_KINDS, compute_in_float32_, has_int8_dot_product, linear_weight_bytes,
-                       quantize_int4_, quantize_int8_)
+                       int8_vision_is_faster, quantize_int4_, quantize_int8_, quantize_vision_int8_)
 from ..kernels.system import bfloat16_matmul_is_faster
 
 log = logging.getLogger(__name__)
@@ -272,11 +272,15 @@ def _convert(model: nn.Module, config: EngineConfig, report) -> tuple[str, list[
         report(0.8, "Quantizing the language model's Linear layers to 4 bits")
         quantize_int4_(model)
     compute_dtype = resolve_compute_dtype(config)
+    if config.dtype in ("int8", "int4") and has_int8_dot_product() and int8_vision_is_faster(config.threads,
+                                                                                            compute_dtype):
+        report(0.85, "Quantizing the vision tower's Linear layers to int8 (faster than its matmuls here)")
+        quantize_vision_int8_(model)
     if compute_dtype == "float32" and config.dtype != "float32":
         report(0.9, f"{config.dtype} weights, float32 compute (faster on this CPU)")
         compute_in_float32_(model)
     notes = []
-    if config.dtype in ("int8", "int4") and not has_int8_dot_product():
+    if config.dtype == "int8" and not has_int8_dot_product():
         notes.append(INT8_WITHOUT_VNNI)
     if config.kernels == "packed":
         # The language model's Linears are packed by the decode backend, which may compile them instead.
