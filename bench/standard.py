@@ -19,13 +19,14 @@ from pathlib import Path
 
 from engine.config import DTYPES, PROJECT_DIR
 from engine.environment import shared_dir
+from engine.kernels.memory_read import memory_read_gb_per_s
 from engine.kernels.system import AVX2_DISPATCH
 
 from .cli import machine_line
 from .harness import bench_image, default_images_dir
 
 PROMPT = "Describe this image."
-COLUMNS = ("ttft_s", "decode_tokens_per_s", "e2e_s", "output_tokens", "rss_peak_bytes")
+COLUMNS = ("ttft_s", "decode_tokens_per_s", "e2e_s", "output_tokens", "rss_peak_bytes", "decode_weight_bytes")
 
 
 def one_request(model: str, dtype: str, isa: str, image: Path, tokens: int, db: Path) -> dict:
@@ -42,7 +43,7 @@ def one_request(model: str, dtype: str, isa: str, image: Path, tokens: int, db: 
 
 
 def drift(model: str, isa: str, tokens: int, size: int) -> dict:
-    """int8's and bfloat16's drift against float32 as the bench measures it (teacher-forced on float32's answer:
+    """Each compact precision's drift against float32 as the bench measures it (teacher-forced on float32's answer:
     the quick bench's is a 256x256 photo and 8 tokens, the full bench's 448x448 and 32), in a child held to `isa`."""
     env = {**os.environ, **(AVX2_DISPATCH if isa == "avx2" else {})}
     code = ("import json, sys; from bench.harness import bench_image, default_images_dir, measure_drift; "
@@ -56,15 +57,18 @@ def drift(model: str, isa: str, tokens: int, size: int) -> dict:
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-def table(rows: list[dict]) -> str:
-    lines = ["| precision | dispatch | computes in | TTFT s | decode tok/s | end to end s | tokens | peak RSS GB |",
-             "|---|---|---|---|---|---|---|---|"]
+def table(rows: list[dict], ceiling: float | None = None) -> str:
+    """The rows as markdown; decode's weight reads as a share of `ceiling` (GB/s) where given."""
+    lines = ["| precision | dispatch | computes in | TTFT s | decode tok/s | % of read ceiling | end to end s | tokens | "
+             "peak RSS GB |", "|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         if "error" in row:
-            lines.append(f"| {row['dtype']} | {row['isa']} | error: {row['error'][0]} | | | | | |")
+            lines.append(f"| {row['dtype']} | {row['isa']} | error: {row['error'][0]} | | | | | | |")
             continue
+        read = row["decode_tokens_per_s"] * (row.get("decode_weight_bytes") or 0) / 1e9
+        share = f"{100 * read / ceiling:.0f}" if read and ceiling else "–"
         lines.append(f"| {row['dtype']} | {row['isa']} | {row['compute_dtype']} | {row['ttft_s']:.2f} | "
-                     f"{row['decode_tokens_per_s']:.2f} | {row['e2e_s']:.2f} | {row['output_tokens']} | "
+                     f"{row['decode_tokens_per_s']:.2f} | {share} | {row['e2e_s']:.2f} | {row['output_tokens']} | "
                      f"{row['rss_peak_bytes'] / 1e9:.2f} |")
     return "\n".join(lines)
 
@@ -81,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--drift-tokens", type=int, default=8, help="answer tokens the drift is read over (full bench: 32)")
     parser.add_argument("--drift-size", type=int, default=256, help="the drift photo's side (full bench: 448)")
     args = parser.parse_args(argv)
-    rows = []
+    rows, ceilings = [], [memory_read_gb_per_s()]  # read between requests, while this process is alone
     with tempfile.TemporaryDirectory() as work:
         image = Path(work) / "standard-448.png"
         bench_image("448x448", default_images_dir()).save(image)
@@ -91,8 +95,11 @@ def main(argv: list[str] | None = None) -> int:
                 row = one_request(args.model, dtype, isa, image, args.max_new_tokens, Path(work) / "m.db")
                 rows.append(row | {"round": round_ + 1})
                 print(json.dumps(row), file=sys.stderr, flush=True)
+                ceilings.append(memory_read_gb_per_s())
     rows.sort(key=lambda row: (args.dtypes.index(row["dtype"]), args.isa.index(row["isa"]), row["round"]))
-    text = (f"{machine_line()}; {args.max_new_tokens} tokens, one process per request\n\n{table(rows)}\n")
+    ceiling = max(ceilings)
+    text = (f"{machine_line()}; {args.max_new_tokens} tokens, one process per request; read ceiling {ceiling:.1f} GB/s "
+            f"(best of {len(ceilings)} reads between requests)\n\n{table(rows, ceiling)}\n")
     if args.drift:
         lines = ["", f"Drift: {args.drift_size}x{args.drift_size} photo, {args.drift_tokens} answer tokens, teacher-forced "
                  "on float32's answer, over the prompt's text and the answer", "",
