@@ -159,8 +159,9 @@ def test_direct_prefill_of_a_follow_up_matches_transformers(tiny_model, images_d
         detach_step(state)
 
     # Attention over many rows at once sums in another order than transformers' SDPA call: float32 agrees to
-    # rounding; bfloat16 rounds again between operations, and int8 may then round an activation to its next level.
-    tolerance = 1e-4 if dtype == "float32" else 0.15 * (INT8_SCALE if dtype == "int8" else 1.0)
+    # rounding; bfloat16 rounds again between operations, and int8 or int4 may then round an activation to its next
+    # level.
+    tolerance = 1e-4 if dtype == "float32" else 0.15 * rounding_scale(dtype)
     torch.testing.assert_close(logits.float(), expected_logits.float(), atol=tolerance, rtol=0.0)
     if dtype == "float32":
         assert tokens == expected_tokens
