@@ -83,11 +83,27 @@ for name, data in picked:
         current.append((name, data))
         sample_column.image(image, width=120, caption=name)
 
-for turn in turns:
-    if turn.request_id and not turn.stats:  # stopped: the worker has written its record since
+def settle_stopped(pending: list[ChatTurn]) -> bool:
+    """Give stopped answers their cost line from the records the engine's worker wrote after the stop. Returns
+    whether any is still waiting for its record."""
+    for turn in pending:
         record = engine.store.get(turn.request_id)
         if record is not None and record.status != RUNNING:
             turn.stats = stats_line(record)
+    return any(not turn.stats for turn in pending)
+
+
+@st.fragment(run_every=1.0)
+def finish_stopped_answers() -> None:
+    """Stop ends the script run mid-answer; this fragment, drawn before the answer streams, keeps running after it
+    and reruns the page once the stopped answer's record is written, so its mark and cost line appear at once."""
+    pending = [turn for turn in st.session_state.get("turns", []) if turn.request_id and not turn.stats]
+    if pending and not settle_stopped(pending):
+        st.rerun(scope="app")
+
+
+settle_stopped([turn for turn in turns if turn.request_id and not turn.stats])
+for turn in turns:
     with st.chat_message(turn.role):
         for name, data in turn.images:
             st.image(preview(data), caption=name, width=280)
@@ -130,6 +146,7 @@ def stream_text(handle, status, partial: list, result: dict):
 
 
 if prompt:
+    finish_stopped_answers()
     attach = images_to_attach(turns, current)
     request = build_request(turns, prompt, attach, enhance, json_schema)
     user_turn = ChatTurn("user", prompt, attach)

@@ -192,3 +192,29 @@ def test_pdf_pages_picked_asked_and_profiled(server, images_dir, tmp_path):
         expect(chart).to_be_visible(timeout=30_000)
         expect(chart.get_by_text("render_pages").first).to_be_visible(timeout=30_000)  # the stage in the legend
         browser.close()
+
+
+def test_stop_finishes_the_answer_on_the_page_at_once(long_answer_server, tmp_path):
+    """Stop pressed while the answer streams: within seconds, with no other input, the answer shows its partial text,
+    the "(stopped)" mark and its cost line, and the chat box takes the next question."""
+    if not Path(CHROMIUM).exists():
+        pytest.fail(f"Chromium not found at {CHROMIUM}: install Debian's chromium (see .ci/run)")
+    from playwright.sync_api import expect, sync_playwright
+
+    url, db = long_answer_server
+    with sync_playwright() as playwright:
+        browser, page = open_chat(playwright, expect, url, 1000)
+        ask(page, expect, "Write a long story about a lighthouse")
+        assistant = page.get_by_test_id("stChatMessage").nth(1)
+        expect(assistant.get_by_test_id("stMarkdownContainer").first).not_to_have_text("", timeout=120_000)
+        page.get_by_role("button", name="Stop").click()
+        stopped_at = time.time()
+        expect(assistant.get_by_text("(stopped)")).to_be_visible(timeout=10_000)
+        expect(assistant.get_by_text("TTFT")).to_be_visible(timeout=10_000)
+        waited = time.time() - stopped_at
+        page.screenshot(path=str(tmp_path / "stopped.png"))
+        expect(page.get_by_test_id("stChatInputTextArea")).to_be_enabled(timeout=10_000)
+        browser.close()
+    assert waited < 10
+    record = MetricsStore(db).recent(1, include_warmup=False)[0]
+    assert record.status == "cancelled" and 0 < record.output_tokens < 600
