@@ -19,6 +19,8 @@ DEFAULT_MODEL = "Qwen/Qwen3-VL-2B-Instruct"
 SKELETON_DIR = PROJECT_DIR / "models" / "qwen3-vl-2b-skeleton"
 
 DTYPES = ("float32", "bfloat16", "int8", "int4")
+# The precisions whose language model multiplies int8 activations (one scale per row) by integer weights.
+INTEGER_DTYPES = ("int8", "int4")
 # What bfloat16, int8 and int4 weights compute in. auto: bfloat16 where this CPU's bfloat16 matmul measures faster
 # than float32, else float32 with the weights kept compact (see engine/quantize.py).
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16")

@@ -141,21 +141,26 @@ class Int8Linear(nn.Module):
 
 
 
-def quantize_language_model_(model: nn.Module, layer, head=None) -> int:
-    """Swap the language model's Linear layers for `layer(weight, bias)` and the LM head for `head(weight, bias)`
-    (`layer` if None), one at a time, so that only one layer's wide weight and its compact copy are alive at once.
-    Returns how many were swapped.
-
-    The LM head is tied to the token embeddings: it gets its own copy and the embeddings stay as they are (only
-    looked up, one row per token)."""
-    language_model = model.model.language_model
+def swap_linears_(root: nn.Module, layer) -> int:
+    """Swap every nn.Linear under `root` for `layer(weight, bias)`, one at a time, so that only one layer's wide
+    weight and its compact copy are alive at once. Returns how many were swapped."""
     swapped = 0
-    for parent in list(language_model.modules()):
+    for parent in list(root.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(parent, name, layer(child.weight, child.bias))
                 child.weight = None  # the wide copy goes now, not when the loop's references drop
                 swapped += 1
+    return swapped
+
+
+def quantize_language_model_(model: nn.Module, layer, head=None) -> int:
+    """The language model's Linear layers as `layer(weight, bias)` and the LM head as `head(weight, bias)` (`layer`
+    if None). Returns how many were swapped.
+
+    The LM head is tied to the token embeddings: it gets its own copy and the embeddings stay as they are (only
+    looked up, one row per token)."""
+    swapped = swap_linears_(model.model.language_model, layer)
     model.lm_head = (head or layer)(model.lm_head.weight, getattr(model.lm_head, "bias", None))
     return swapped + 1
 
@@ -166,16 +171,8 @@ def quantize_int8_(model: nn.Module) -> int:
 
 
 def quantize_vision_int8_(model: nn.Module) -> int:
-    """Swap the vision tower's Linear layers for Int8Linear (rows each scaled to int8, as the language model's).
-    Returns how many were swapped."""
-    swapped = 0
-    for parent in list(model.model.visual.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(parent, name, Int8Linear(child.weight, child.bias))
-                child.weight = None
-                swapped += 1
-    return swapped
+    """The vision tower's Linear layers as Int8Linear (rows each scaled to int8, as the language model's)."""
+    return swap_linears_(model.model.visual, Int8Linear)
 
 
 # A vision tower's product for a 448x448 picture: 784 patches into a 1024 -> 4096 projection.

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from ..config import INTEGER_DTYPES
 from ..kernels.direct_step import DirectDecodeStep
 from ..kernels.decode_attention import best as best_attention
 from ..kernels.packing import decode_rows, keeps_fp16_copy, pack_remaining_linears
@@ -47,7 +48,7 @@ def hidden_dtype(loaded) -> torch.dtype | None:
     fbgemm's float16 copy, take and give float32: rounding it to bfloat16 between them is work for nothing.
     Otherwise the model's own dtype, as
     transformers' layers keep it."""
-    if loaded.dtype in ("int8", "int4"):
+    if loaded.dtype in INTEGER_DTYPES:
         return torch.float32
     return getattr(loaded.model.lm_head, "one_row_dtype", None)
 

@@ -22,7 +22,7 @@ from transformers.initialization import no_init_weights
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from ..kernels import attention
-from ..config import EngineConfig
+from ..config import INTEGER_DTYPES, EngineConfig
 from ..errors import ModelUnavailable
 from ..kernels.fusion import stack_projections_
 from ..kernels.packing import pack_remaining_linears
@@ -272,7 +272,7 @@ def _convert(model: nn.Module, config: EngineConfig, report) -> tuple[str, list[
         report(0.8, "Quantizing the language model's Linear layers to 4 bits")
         quantize_int4_(model)
     compute_dtype = resolve_compute_dtype(config)
-    if config.dtype in ("int8", "int4") and has_int8_dot_product() and int8_vision_is_faster(config.threads,
+    if config.dtype in INTEGER_DTYPES and has_int8_dot_product() and int8_vision_is_faster(config.threads,
                                                                                             compute_dtype):
         report(0.85, "Quantizing the vision tower's Linear layers to int8 (faster than its matmuls here)")
         quantize_vision_int8_(model)
