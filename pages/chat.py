@@ -188,6 +188,9 @@ if prompt:
                 answer.text = "".join(partial) + " _(stopped)_"
                 answer.request_id = handle.id if handle is not None else None
             turns.append(answer)
+    # A finished answer is drawn again by a run without the question, which also drops the fragment: its timer, which
+    # ticked while the answer streamed, would otherwise hold the chat box in its running state (no next question).
+    st.rerun()
 
 if turns:
     st.download_button("Download transcript", transcript(turns), file_name="vlscope-transcript.md",
