@@ -52,17 +52,18 @@ def live_view() -> None:
         st.info("No requests in this window yet. Ask something on the Chat page; it shows up here within seconds.")
         return
     latest = records[0]
+    # Units go in the labels: a value in a sixth of the page fits only as a bare number.
     top = st.columns(6)
     top[0].metric("requests", len(records))
-    top[1].metric("last TTFT", f"{latest.ttft_s:.2f} s" if latest.ttft_s is not None else "–")
-    top[2].metric("last decode", f"{latest.decode_tokens_per_s:.1f} tok/s" if latest.decode_tokens_per_s else "–")
-    top[3].metric("last total", f"{latest.e2e_s:.1f} s")
-    top[4].metric("last peak RSS", f"{latest.rss_peak_bytes / GIB:.2f} GiB")
+    top[1].metric("last TTFT s", f"{latest.ttft_s:.2f}" if latest.ttft_s is not None else "–")
+    top[2].metric("last decode tok/s", f"{latest.decode_tokens_per_s:.1f}" if latest.decode_tokens_per_s else "–")
+    top[3].metric("last total s", f"{latest.e2e_s:.1f}")
+    top[4].metric("last peak RSS GiB", f"{latest.rss_peak_bytes / GIB:.2f}")
     rate = latest.decode_gb_per_s
     ceiling = read_ceiling() if rate else None
-    top[5].metric("last decode read", f"{rate:.1f} GB/s" if rate else "–",
-                  delta=f"{rate / ceiling:.0%} of {ceiling:.0f} GB/s" if rate and ceiling else None,
-                  delta_color="off",
+    top[5].metric("last read GB/s", f"{rate:.1f}" if rate else "–",
+                  delta=f"{rate / ceiling:.0%} of {ceiling:.0f}" if rate and ceiling else None,
+                  delta_color="off", delta_arrow="off",
                   help="Weights one decode step reads (the language model and its head) times tokens per second, "
                        "against this machine's memory read rate, measured at load on the engine's compute thread: "
                        "decode cannot go faster than that.")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from streamlit.testing.v1 import AppTest
@@ -147,9 +148,10 @@ def test_profiling_page_shows_the_new_request(app_env):
     metrics = {m.label: m.value for m in at.metric}
     assert metrics["requests"] == "1"  # the warm-up is hidden by default
     assert record.decode_weight_bytes > 0 and record.decode_gb_per_s > 0
-    assert metrics["last decode read"] == f"{record.decode_gb_per_s:.1f} GB/s"
-    delta = next(m for m in at.metric if m.label == "last decode read").delta
-    assert delta.endswith("GB/s") and "% of " in delta  # against the measured read ceiling
+    assert metrics["last read GB/s"] == f"{record.decode_gb_per_s:.1f}"
+    assert metrics["last decode tok/s"] == f"{record.decode_tokens_per_s:.1f}"
+    delta = next(m for m in at.metric if m.label == "last read GB/s").delta
+    assert re.fullmatch(r"\d+% of \d+", delta)  # against the measured read ceiling
     charts = at.get("plotly_chart")
     stage_chart = json.loads(charts[0].proto.spec)
     assert any(record.id[:6] in label for trace in stage_chart["data"] for label in trace["x"])
@@ -175,7 +177,7 @@ def test_settings_change_reloads_the_model(app_env):
     record = MetricsStore(app_env).recent(1, include_warmup=False)[0]
     assert (record.dtype, record.compute_dtype) == ("bfloat16", "float32")
     at = start()  # a new session sees the new settings too
-    assert {m.label: m.value for m in at.sidebar.metric}["dtype"] == "bfloat16"
+    assert {m.label: m.value for m in at.sidebar.metric}["precision"] == "bfloat16"
     assert any("of 2 answering together" in caption.value for caption in at.sidebar.caption)
     # one plain line for a room; the technical reason waits in an expander
     line = next(caption.value for caption in at.sidebar.caption if caption.value.startswith("Decode: "))

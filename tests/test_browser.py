@@ -59,6 +59,12 @@ def run_streamlit(tiny_model, tmp_path, max_new_tokens: int):
     log.close()
 
 
+# Elements of metrics whose text runs past their box (Streamlit cuts it with an ellipsis): the metric's text each.
+CLIPPED_METRICS = """() => Array.from(document.querySelectorAll('[data-testid="stMetric"]'))
+    .filter(metric => [metric, ...metric.querySelectorAll('*')].some(e => e.scrollWidth > e.clientWidth + 1))
+    .map(metric => metric.innerText)"""
+
+
 def ask(page, expect, text: str) -> None:
     """Type into the chat box and send; typed again if a late rerun cleared the box before it was sent."""
     box = page.get_by_test_id("stChatInputTextArea")
@@ -111,12 +117,15 @@ def test_upload_ask_stream_and_profile(server, images_dir, tmp_path):
         expect(chart).to_be_visible(timeout=30_000)
         expect(chart.get_by_text(record.id[:6])).to_be_visible(timeout=30_000)  # that request's bar
         page.screenshot(path=str(tmp_path / "profiling.png"), full_page=True)
+        expect(page.get_by_test_id("stMetric").first).to_be_visible()
+        assert page.evaluate(CLIPPED_METRICS) == []  # every value whole, in the page and the sidebar, at 1400 px
         page.get_by_role("link", name="Benchmark").click()
         expect(page.get_by_role("heading", name="Benchmark", exact=True)).to_be_visible(timeout=30_000)
         # the committed run from a CPU like this one, drawn as plots (per case: TTFT, decode rate, memory)
         expect(page.locator(".js-plotly-plot").first).to_be_visible(timeout=30_000)
         expect(page.get_by_text("decode", exact=False).first).to_be_visible()
         page.screenshot(path=str(tmp_path / "benchmark.png"), full_page=True)
+        assert page.evaluate(CLIPPED_METRICS) == []
         # streamlit_app.py serves the API from the same process: it sees the same, already loaded model
         with urllib.request.urlopen(f"{url}/health", timeout=10) as response:
             assert json.loads(response.read())["status"] == "ready"

@@ -32,14 +32,14 @@ def render_status(loaded: LoadedEngine | None) -> None:
                 st.caption(f"The configured model {engine.config.model!r} could not be loaded, so the synthetic "
                            f"skeleton stands in. {loaded.fallback_reason}")
         st.markdown(f"**Model** `{info.model}`")
+        # The precision gets the sidebar's width: "bfloat16" does not fit in half of it.
+        st.metric("precision", info.dtype, help=f"Weights in {info.dtype}; activations, attention and the KV cache "
+                  f"in {info.compute_dtype}, chosen by measuring this CPU unless set in Settings")
         left, right = st.columns(2)
-        left.metric("dtype", info.dtype, help=f"Weights in {info.dtype}; activations, attention and the KV cache "
-                    f"in {info.compute_dtype}, chosen by measuring this CPU unless set in Settings")
-        right.metric("threads", info.threads)
-        left.metric("weights", f"{info.weight_bytes / GIB:.2f}G", help="Model weights in memory, GiB")
-        right.metric("RSS", f"{current_rss() / GIB:.2f}G", help="This server process's resident memory, GiB")
+        left.metric("weights GiB", f"{info.weight_bytes / GIB:.2f}", help="Model weights in memory")
+        right.metric("RSS GiB", f"{current_rss() / GIB:.2f}", help="This server process's resident memory")
         st.caption(f"Queue: {engine.queue_depth} request(s), {engine.active_sequences} of {engine.batch_limit()} "
-                   f"answering together · loaded in {info.load_seconds:.1f} s")
+                   f"answering together · {info.threads} threads · loaded in {info.load_seconds:.1f} s")
         if info.decode:  # empty for a remote engine
             st.caption(decode_line(info.decode, engine.store.recent(1, include_warmup=False)))
             with st.expander("How decode runs here"):
