@@ -20,6 +20,8 @@ from engine.kernels.system import (
     system_report,
 )
 
+from .provenance import REFRESH
+
 
 @dataclass(frozen=True)
 class PrecisionAdvice:
@@ -119,9 +121,9 @@ def agreement_line(document: dict | None, same_cpu: bool = True) -> str:
     measured = {dtype: drift[dtype]["top1_agreement"] for dtype in DTYPES
                 if (drift.get(dtype) or {}).get("top1_agreement") is not None}
     if "int4" not in measured:
-        return ("What 4 bits cost in agreement is not measured here yet: `python -m bench --quick` measures each "
+        return (f"What 4 bits cost in agreement is not measured here yet: `{REFRESH}` measures each "
                 "precision's top-1 agreement with float32.")
-    where = "on this machine" if same_cpu else "on a CPU of another kind"
+    where = "on a CPU of this kind" if same_cpu else "on a CPU of another kind"
     others = ", ".join(f"{dtype} {top1:.1%}" for dtype, top1 in measured.items() if dtype != "int4")
     return (f"int4 picks float32's token {measured['int4']:.1%} of the time {where}"
             + (f" ({others})" if others else "") + f", benchmark of {str(document.get('created', ''))[:10]}.")

@@ -26,7 +26,7 @@ def fail(exc: BaseException) -> int:
 
 
 def machine_line() -> str:
-    """`CPU <model>, <n> cores, ISA <flags>`: what every committed run names first."""
+    """`CPU <model>, <n> cores, ISA <flags>`: what every run names first."""
     from engine.kernels.system import system_report
 
     machine = system_report()

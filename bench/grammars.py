@@ -2,7 +2,7 @@
 set each one compiles (and refuses, by name), whether it accepts exactly the instances the set marks valid, its
 compile time and its mask time. llguidance as vlscope runs it (engine/structured/), and XGrammar where it imports.
 
-    python -m bench.grammars --suite JSON-Schema-Test-Suite/tests/draft2020-12 --out docs/bench/grammars.json
+    python -m bench.grammars --suite JSON-Schema-Test-Suite/tests/draft2020-12 --out grammars.json
 
 The suite is JSON-Schema-Test-Suite's folder of test files (each: a schema and instances marked valid or not).
 """

@@ -33,7 +33,7 @@ from engine.inputs.preprocess import single_image_inputs
 from engine.kernels.quantize import LINEAR_KINDS
 from engine.request import ChatRequest, Turn
 from engine.kernels.memory_read import memory_read_gb_per_s
-from engine.kernels.system import system_report
+from engine.kernels.system import cpu_kind, system_report
 
 from .advisor import advise, recommend
 from .plan import APP_SWEEP, FOLLOW_UPS, IMAGE_SIZES, PROMPT, Case, execution_order, plan
@@ -345,7 +345,7 @@ def sweep_on_engine(engine: Engine, images_dir: Path, report: Report, cases=APP_
 
 
 def _machine_facts(machine) -> dict:
-    return dataclasses.asdict(machine) | {"advice": machine.advice}
+    return dataclasses.asdict(machine) | {"cpu_kind": machine.cpu_kind, "advice": machine.advice}
 
 
 def _release(engines: dict) -> None:
@@ -390,26 +390,45 @@ def default_images_dir() -> Path:
     return shared if shared.is_dir() else PROJECT_DIR / "samples"
 
 
-def reference_result(project_dir: Path = PROJECT_DIR) -> tuple[Path, bool] | None:
-    """The benchmark to show beside a fresh sweep: this server's newest run (bench-results/), else the committed
-    run (docs/bench/<cpu>/<sweep>/) from a CPU with this one's ISA flags, else the newest committed run.
-    Returns the file and whether it was measured on a CPU like this one."""
-    local = sorted((project_dir / "bench-results").glob("*/bench.json"))
-    if local:
-        return local[-1], True
-    flags = set(system_report().isa_flags)
-    committed = []
-    for path in (project_dir / "docs" / "bench").glob("*/*/bench.json"):
+RECORDS = Path("docs") / "bench"  # one record per CPU kind: docs/bench/<kind>/bench.json
+LOCAL_RUNS = Path("bench-results")  # this server's own runs, one folder each
+
+
+def record_dir(kind: str, project_dir: Path = PROJECT_DIR) -> Path:
+    """Where `python -m bench --record` writes the record of CPUs of this kind."""
+    return project_dir / RECORDS / kind
+
+
+def measured_kind(document: dict) -> str:
+    machine = document.get("machine") or {}
+    return machine.get("cpu_kind") or cpu_kind(machine.get("isa_flags", ()))
+
+
+@dataclass(frozen=True)
+class Reference:
+    """The benchmark a page shows: its file, the CPU kind it was measured on, and whether this CPU is of that kind."""
+
+    path: Path
+    kind: str
+    same_kind: bool
+
+
+def reference_result(project_dir: Path = PROJECT_DIR) -> Reference | None:
+    """The newest run from a CPU of this one's kind, this server's own (bench-results/) or the record
+    (docs/bench/<kind>/); else the newest record of another kind."""
+    here = system_report().cpu_kind
+    found = []
+    for path in [*(project_dir / LOCAL_RUNS).glob("*/bench.json"), *(project_dir / RECORDS).glob("*/bench.json")]:
         try:
             document = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        same_cpu = set(document.get("machine", {}).get("isa_flags", ())) == flags
-        committed.append((same_cpu, not document.get("quick", True), document.get("created", ""), path))
-    if not committed:
+        kind = measured_kind(document)
+        found.append((kind == here, document.get("created", ""), str(path), kind))
+    if not found:
         return None
-    same_cpu, _, _, path = max(committed)
-    return path, same_cpu
+    same_kind, _, path, kind = max(found)
+    return Reference(Path(path), kind, same_kind)
 
 
 def default_model() -> str:
@@ -421,7 +440,7 @@ def default_model() -> str:
 
 
 def run_bench(model: str, quick: bool, repeats: int, images_dir: Path, out_dir: Path, db_path: str,
-              report: Report, drift: bool = True, against: str | None = None) -> BenchResult:
+              report: Report, drift: bool = True, against: str | None = None, html: bool = True) -> BenchResult:
     machine = system_report()
     threads = machine.physical_cores
     remote = _connect(against, db_path) if against else None  # before any measuring: a wrong URL fails at once
@@ -476,7 +495,8 @@ def run_bench(model: str, quick: bool, repeats: int, images_dir: Path, out_dir: 
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "bench.json").write_text(json.dumps(document, indent=1, default=str))
     (out_dir / "bench.md").write_text(markdown_report(document))
-    html_report(document, out_dir / "bench.html")
+    if html:  # a committed record keeps none: each would carry all of plotly.js
+        html_report(document, out_dir / "bench.html")
     advance("written")
     return result
 

@@ -8,6 +8,8 @@ from engine.config import PROJECT_DIR
 
 # Paths whose changes can move a benchmark's figures.
 MEASURED_PATHS = ("engine",)
+# The one command that measures this CPU kind's record from the current code.
+REFRESH = "python -m bench --quick --record"
 
 
 def _git(*args: str, cwd: Path = PROJECT_DIR) -> str | None:
@@ -46,10 +48,11 @@ def describe(document: dict, cwd: Path = PROJECT_DIR) -> str:
     record = document.get("code")
     when = document.get("created", "an unknown time").replace("T", " ")
     if not record:
-        return f"Measured {when}; its commit was not recorded, so it may be older than this code."
+        return (f"Measured {when}; its commit was not recorded, so it may be older than this code: "
+                f"`{REFRESH}` refreshes it.")
     changed = engine_changed_since(record, cwd)
     line = f"Measured {when} on commit {record['commit'][:10]}{' with uncommitted engine edits' if record.get('edited') else ''}."
     if changed is None:
         return line + " Whether the engine changed since cannot be told here."
-    return line + (" Older than this code: the engine changed since; rerun `python -m bench --quick`."
+    return line + (f" Older than this code: the engine changed since; `{REFRESH}` refreshes it."
                    if changed else " The engine has not changed since.")

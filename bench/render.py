@@ -1,4 +1,4 @@
-"""Render a committed run's report as HTML: `python -m bench.render docs/bench/<cpu>/<run>/bench.json [--out F]`.
+"""Render a committed run's report as HTML: `python -m bench.render docs/bench/<kind>/bench.json [--out F]`.
 
 Committed runs keep their JSON and markdown only; the HTML carries all of plotly.js (about 4.7 MB), so it is made
 on the viewer's machine from the installed plotly."""

@@ -5,10 +5,11 @@ import json
 import streamlit as st
 
 from bench.advisor import advise
-from bench.provenance import describe
+from bench.provenance import REFRESH, describe
 from bench.harness import default_images_dir, reference_result, sweep_on_engine
 from bench.report import cases_table, markdown_report, report_figure
 from engine.config import PROJECT_DIR
+from engine.kernels.system import cpu_kind_name, system_report
 from ui.engine_resource import get_engine
 
 st.title("Benchmark")
@@ -31,17 +32,17 @@ with left:
 with right:
     st.subheader("Precision advice for this CPU")
     reference = reference_result()
-    record = json.loads(reference[0].read_text()) if reference is not None and reference[1] else None
+    record = json.loads(reference.path.read_text()) if reference is not None and reference.same_kind else None
     measured = (record or {}).get("precision_advice") or {}
     if measured.get("recommended", "–") != "–":
-        st.success(f"Recommended: **{measured['recommended']}** (the default stays float32), from all three "
-                   "precisions end to end on this CPU and their drift against float32.")
+        st.success(f"Recommended: **{measured['recommended']}** (the default stays float32), from every "
+                   "precision end to end on this CPU and their drift against float32.")
         for reason in measured["reasons"]:
             st.markdown(f"- {reason}")
         st.caption(describe(record))
     else:
-        st.write("No benchmark of all three precisions on this CPU yet: `python -m bench --quick` measures them "
-                 "end to end with their drift and recommends from that.")
+        st.write(f"No benchmark of every precision on a CPU of this kind yet: `{REFRESH}` measures them end to "
+                 "end with their drift and recommends from that.")
     if st.button("Quick probe: float32 against bfloat16 matmul", key="run_advice"):
         with st.spinner("Probing matmul and weight streaming…"):
             st.session_state["advice"] = dataclasses.asdict(advise())
@@ -66,12 +67,13 @@ if "sweep" in st.session_state:
 
 reference = reference_result()
 if reference is not None:
-    path, same_cpu = reference
+    here = system_report().cpu_kind
     st.divider()
-    record = json.loads(path.read_text())
-    st.subheader(f"Benchmark on record: `{path.relative_to(PROJECT_DIR)}`")
-    st.caption(describe(record))
-    if not same_cpu:
-        st.info("Measured on a CPU with other instructions than this one: run `python -m bench --quick` "
-                "here for this server's own figures.", icon=":material/info:")
+    record = json.loads(reference.path.read_text())
+    st.subheader(f"Benchmark on record for {cpu_kind_name(reference.kind)} CPUs")
+    st.caption(f"`{reference.path.relative_to(PROJECT_DIR)}`. {describe(record)}")
+    if not reference.same_kind:
+        st.info(f"Measured on a CPU of another kind ({cpu_kind_name(reference.kind)}) than this one "
+                f"({cpu_kind_name(here)}): `{REFRESH}` here measures this one and makes its record.",
+                icon=":material/info:")
     show(record, "latest_chart")

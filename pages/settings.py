@@ -29,9 +29,8 @@ def precision_agreement() -> str:
     found = reference_result()
     if found is None:
         return agreement_line(None)
-    path, same_cpu = found
     try:
-        return agreement_line(json.loads(path.read_text()), same_cpu)
+        return agreement_line(json.loads(found.path.read_text()), found.same_kind)
     except (OSError, ValueError):
         return agreement_line(None)
 

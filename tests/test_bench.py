@@ -8,10 +8,10 @@ import sys
 import pytest
 
 from bench.advisor import advise, agreement_line
-from bench.harness import bench_image, reference_result, run_baseline_case, run_engine_case
+from bench.harness import Reference, bench_image, measured_kind, reference_result, run_baseline_case, run_engine_case
 from bench.plan import Case, execution_order, plan
 from engine.config import DTYPES
-from engine.kernels.system import system_report
+from engine.kernels.system import CPU_KINDS, cpu_kind, system_report
 
 from .conftest import FULL_SKELETON, ROOT
 from .test_api import start_server
@@ -97,24 +97,47 @@ def test_quick_plan_measures_follow_ups_in_each_precision_and_loads_each_model_o
         assert len(contiguous_runs) == len(set(keys))  # no engine setting comes back after another one
 
 
-def test_reference_result_prefers_this_servers_runs_then_a_cpu_like_this_one(tmp_path):
+def test_the_cpu_kind_is_the_isa_level_not_the_flag_set():
+    assert cpu_kind(("avx2",)) == "avx2"
+    assert cpu_kind(("avx2", "avx512f", "avx512_vnni")) == "avx512"  # no BF16: the AVX-512 kind
+    assert cpu_kind(("avx2", "avx512f", "avx512_vnni", "avx512_bf16")) == "avx512-bf16"
+    assert cpu_kind(("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")) == "amx"
+    assert cpu_kind(()) == "other"
+
+
+def test_docs_bench_holds_one_record_per_cpu_kind():
+    """docs/bench/ is a record per CPU kind, each in the folder its machine's ISA level names: not a notebook of runs."""
+    folders = [path for path in (ROOT / "docs" / "bench").iterdir()]
+    assert folders and all(path.is_dir() for path in folders)
+    known = {kind for kind, _, _ in CPU_KINDS}
+    for folder in folders:
+        assert folder.name in known and {p.name for p in folder.iterdir()} == {"bench.json", "bench.md"}
+        assert measured_kind(json.loads((folder / "bench.json").read_text())) == folder.name
+
+
+def test_reference_result_is_the_newest_run_from_a_cpu_of_this_kind(tmp_path):
     assert reference_result(tmp_path) is None
 
-    def write(relative: str, flags, created: str, quick=True):
+    def write(relative: str, flags, created: str):
         path = tmp_path / relative / "bench.json"
         path.parent.mkdir(parents=True)
-        path.write_text(json.dumps({"machine": {"isa_flags": list(flags)}, "created": created, "quick": quick}))
+        path.write_text(json.dumps({"machine": {"isa_flags": list(flags)}, "created": created, "quick": True}))
         return path
 
-    here = system_report().isa_flags
-    similar = write("docs/bench/this-cpu/quick", here, "2026-01-01")
-    write("docs/bench/other-cpu/full", ("amx_tile", "made-up-flag"), "2026-06-01", quick=False)
-    assert reference_result(tmp_path) == (similar, True)
-    (tmp_path / "docs/bench/broken/quick").mkdir(parents=True)
-    (tmp_path / "docs/bench/broken/quick/bench.json").write_text("{not json")
-    assert reference_result(tmp_path) == (similar, True)
-    own = write("bench-results/20260701-120000", here, "2026-07-01")
-    assert reference_result(tmp_path) == (own, True)
+    here = system_report()
+    other_flags = ("avx2",) if here.cpu_kind != "avx2" else ("avx2", "avx512f")
+    other = write("docs/bench/other/", other_flags, "2026-06-01")
+    assert reference_result(tmp_path) == Reference(other, cpu_kind(other_flags), False)
+    # the same ISA level with another flag set (a made-up one here) is a CPU of this kind
+    record = write(f"docs/bench/{here.cpu_kind}", (*here.isa_flags, "made-up-flag"), "2026-01-01")
+    assert reference_result(tmp_path) == Reference(record, here.cpu_kind, True)
+    (tmp_path / "docs/bench/broken").mkdir(parents=True)
+    (tmp_path / "docs/bench/broken/bench.json").write_text("{not json")
+    assert reference_result(tmp_path) == Reference(record, here.cpu_kind, True)
+    own = write("bench-results/20260701-120000", here.isa_flags, "2026-07-01")
+    assert reference_result(tmp_path).path == own  # this server's newer run
+    write("bench-results/20251201-120000", here.isa_flags, "2025-12-01")
+    assert reference_result(tmp_path).path == own
 
 
 def test_a_time_budget_cuts_repetitions_but_never_the_first(make_engine, images_dir):
@@ -259,8 +282,8 @@ def test_load_burst_measures_concurrent_people_here_and_against_another_server(t
 
 
 def test_a_committed_run_renders_as_html(tmp_path):
-    """Committed runs keep JSON and markdown; `python -m bench.render` draws the HTML report from the JSON."""
-    source = ROOT / "docs" / "bench" / "epyc-avx512-bf16" / "quick" / "bench.json"
+    """Committed records keep JSON and markdown; `python -m bench.render` draws the HTML report from the JSON."""
+    source = sorted((ROOT / "docs" / "bench").glob("*/bench.json"))[0]
     out = tmp_path / "report.html"
     run = subprocess.run([sys.executable, "-m", "bench.render", str(source), "--out", str(out)], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
@@ -331,8 +354,8 @@ def test_grammars_measures_a_schema_set_and_names_what_it_refuses(tmp_path):
 def test_the_settings_line_says_what_four_bits_cost():
     document = {"created": "2026-12-06T08:00:00", "drift_vs_float32": {
         "bfloat16": {"top1_agreement": 0.987}, "int8": {"top1_agreement": 0.974}, "int4": {"top1_agreement": 0.818}}}
-    assert agreement_line(document) == ("int4 picks float32's token 81.8% of the time on this machine (bfloat16 98.7%, "
+    assert agreement_line(document) == ("int4 picks float32's token 81.8% of the time on a CPU of this kind (bfloat16 98.7%, "
                                         "int8 97.4%), benchmark of 2026-12-06.")
     assert "another kind" in agreement_line(document, same_cpu=False)
     del document["drift_vs_float32"]["int4"]
-    assert "python -m bench --quick" in agreement_line(document) and "python -m bench" in agreement_line(None)
+    assert "python -m bench --quick --record" in agreement_line(document) and "python -m bench" in agreement_line(None)

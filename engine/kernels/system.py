@@ -25,6 +25,27 @@ ISA_FLAGS = {
 }
 
 
+# The vector ISA levels that pick different kernels here, highest first, each with the flags that make it: a
+# benchmark holds for CPUs of one level, whatever other flags they carry.
+CPU_KINDS = (
+    ("amx", "Intel AMX", {"amx_tile", "amx_bf16"}),
+    ("avx512-bf16", "AVX-512 BF16/VNNI", {"avx512_bf16", "avx512_vnni"}),
+    ("avx512", "AVX-512", {"avx512f"}),
+    ("avx2", "AVX2", {"avx2"}),
+)
+
+
+def cpu_kind(isa_flags) -> str:
+    """The highest ISA level whose flags are all present ("other" below AVX2): "amx", "avx512-bf16", "avx512",
+    "avx2"."""
+    flags = set(isa_flags)
+    return next((kind for kind, _, needs in CPU_KINDS if needs <= flags), "other")
+
+
+def cpu_kind_name(kind: str) -> str:
+    return next((name for known, name, _ in CPU_KINDS if known == kind), "below AVX2")
+
+
 @dataclass(frozen=True)
 class SystemReport:
     cpu_model: str
@@ -37,6 +58,10 @@ class SystemReport:
     transformers_version: str
     memory_total_bytes: int
     memory_available_bytes: int
+
+    @property
+    def cpu_kind(self) -> str:
+        return cpu_kind(self.isa_flags)
 
     @property
     def advice(self) -> list[str]:

@@ -4,7 +4,7 @@ line "encoding mtmd batch" (the request's start, after load) to the first answer
 the remaining tokens (it streams one token a write), peak RSS polled.
 
 usage (from the repository root):
-  python docs/bench/epyc-avx512-bf16/four-bit/against_llama_mtmd.py ROUNDS TOKENS DTYPE LLAMA_BIN MODEL_GGUF
+  python -m bench.peers.against_llama_mtmd ROUNDS TOKENS DTYPE LLAMA_BIN MODEL_GGUF
       MMPROJ_GGUF IMAGE OUT_JSON
 """
 import json

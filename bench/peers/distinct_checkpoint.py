@@ -1,11 +1,11 @@
 """A synthetic checkpoint whose weight matrices all differ, for OpenVINO.
 
-vlscope's synthetic weights tile one random pool (engine/model_loading.py, fill_synthetic_), so every layer's q_proj
+vlscope's synthetic weights tile one random pool (engine/model/loading.py, fill_synthetic_), so every layer's q_proj
 is the same tensor as the next one's. OpenVINO's serializer stores identical constants once: exported as it is,
 the int8 language model is 328 MB instead of 1.7 GB, and a decode step reads a fraction of what the real model's
 would. Each matrix is rolled by its own offset here: the same values, other tensors, every byte read again.
 
-usage: python distinct_checkpoint.py SOURCE_DIR OUT_DIR   (SOURCE_DIR: a saved synthetic checkpoint)
+usage: python -m bench.peers.distinct_checkpoint SOURCE_DIR OUT_DIR   (SOURCE_DIR: a saved synthetic checkpoint)
 """
 import json
 import shutil
