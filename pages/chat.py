@@ -6,7 +6,8 @@ from pathlib import Path
 import streamlit as st
 
 from engine import InvalidImage, Queued, RequestMetrics, StageStarted, TextChunk, VlscopeError
-from engine.inputs.images import load_image
+from engine.inputs.images import decode, load_image, read_header
+from engine.inputs.ocr import enhance_for_ocr
 from engine.records.stages import RUNNING
 from ui.engine_resource import get_engine
 from ui.conversation import (PRESETS, SCHEMA_PRESETS, ChatTurn, build_request, images_to_attach, inert_markdown,
@@ -38,6 +39,17 @@ def thumbnail(data: bytes, max_pixels: int, max_bytes: int, name: str = "image")
     return png_thumbnail(picture, 560), None
 
 
+@st.cache_data(max_entries=16, show_spinner="Enhancing for OCR…")
+def enhanced_thumbnail(data: bytes, max_pixels: int, max_bytes: int, budget_pixels: int) -> bytes | None:
+    """A PNG preview of what Enhance for OCR hands the model: the picture decoded at the size the engine decodes
+    it for its token budget, then enhanced (None for a file the engine refuses)."""
+    try:
+        picture = decode(read_header(data, max_pixels=max_pixels, max_bytes=max_bytes), budget_pixels).image
+    except InvalidImage:
+        return None
+    return png_thumbnail(enhance_for_ocr(picture), 560)
+
+
 def preview(data: bytes | Document) -> bytes | None:
     if isinstance(data, Document):
         return page_preview(data, engine.config)
@@ -51,7 +63,9 @@ sample_names = ["(none)"] + sorted(p.name for p in SAMPLES.iterdir() if p.suffix
 sample = sample_column.selectbox("…or a sample", sample_names, key="sample_image")
 preset = option_column.selectbox("Prompt preset", list(PRESETS), key="prompt_preset")
 enhance = option_column.toggle("Enhance for OCR", key="enhance_ocr",
-                               help="Greyscale, autocontrast, deskew and binarise before the model sees the image.")
+                               help="Find and flatten a photographed page, straighten its lines and turn it into black "
+                                    "ink on white, neighbourhood by neighbourhood (a shadow keeps its text), before "
+                                    "the model sees it.")
 as_json = option_column.toggle("Answer as JSON", key="json_answer",
                                help="The answer is held to a JSON Schema, token by token: it is always valid JSON.")
 json_schema = None
@@ -82,6 +96,15 @@ for name, data in picked:
     else:
         current.append((name, data))
         sample_column.image(image, width=120, caption=name)
+if enhance and any(isinstance(data, bytes) for _, data in current):
+    with st.expander("What the model sees with Enhance for OCR", expanded=False):
+        for name, data in (item for item in current if isinstance(item[1], bytes)):
+            before, after = st.columns(2)
+            before.image(preview(data), caption=f"{name}, as sent", width=240)
+            enhanced = enhanced_thumbnail(data, engine.config.max_image_pixels, engine.config.max_image_bytes,
+                                          engine.config.max_pixels)
+            if enhanced is not None:
+                after.image(enhanced, caption=f"{name}, enhanced", width=240)
 
 def settle_stopped(pending: list[ChatTurn]) -> bool:
     """Give stopped answers their cost line from the records the engine's worker wrote after the stop. Returns

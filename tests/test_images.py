@@ -14,7 +14,7 @@ import pytest
 from PIL import Image
 
 from engine.errors import InvalidImage
-from engine.inputs.images import enhance_for_ocr, load_image
+from engine.inputs.images import load_image
 from engine.inputs.limits import fit_to_budget, vision_token_count
 
 from .conftest import ROOT
@@ -153,20 +153,6 @@ def test_mutated_files_never_escape_as_other_errors():
         except InvalidImage:
             outcomes["refused"] += 1
     assert outcomes["ok"] + outcomes["refused"] == 300 and outcomes["refused"] > 0
-
-
-def test_enhance_for_ocr_binarises_and_deskews(images_dir):
-    page = load_image(images_dir / "page.png", **LIMITS).image
-    tilted = page.rotate(3, expand=True, fillcolor=(255, 255, 255))
-    enhanced = enhance_for_ocr(tilted)
-    values = np.unique(np.asarray(enhanced))
-    assert set(values.tolist()) <= {0, 255}
-    # deskewing straightens the rows: the row profile gets sharper than on the tilted binarised page
-    def sharpness(image):
-        dark = np.asarray(image.convert("L")) < 128
-        return float(np.var(dark.sum(axis=1) / dark.shape[1]))
-    plain = Image.fromarray(np.where(np.asarray(tilted.convert("L")) > 128, 255, 0).astype(np.uint8))
-    assert sharpness(enhanced) > sharpness(plain)
 
 
 def test_check_images_cli(images_dir, tmp_path):

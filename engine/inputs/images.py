@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
-from PIL import Image, ImageFile, ImageFilter, ImageOps, UnidentifiedImageError
+from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
 
 from ..errors import InvalidImage, PromptTooLong
 from .documents import Page, RenderClock, as_document, pick_pages
@@ -190,51 +190,6 @@ def to_rgb(image: Image.Image) -> Image.Image:
         background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         return Image.alpha_composite(background, rgba).convert("RGB")
     return image.convert("RGB")
-
-
-def enhance_for_ocr(image: Image.Image) -> Image.Image:
-    """Greyscale, autocontrast, deskew and binarise: helps text on photographed or scanned pages."""
-    grey = ImageOps.autocontrast(image.convert("L"), cutoff=1)
-    grey = deskew(grey)
-    array = np.asarray(grey.filter(ImageFilter.MedianFilter(3)))
-    threshold = otsu_threshold(array)
-    binary = np.where(array > threshold, 255, 0).astype(np.uint8)
-    return Image.fromarray(binary, mode="L").convert("RGB")
-
-
-def otsu_threshold(grey: np.ndarray) -> int:
-    histogram = np.bincount(grey.ravel(), minlength=256).astype(np.float64)
-    total = histogram.sum()
-    if total == 0:
-        return 127
-    levels = np.arange(256)
-    weight_dark = np.cumsum(histogram)
-    weight_light = total - weight_dark
-    mean_dark = np.cumsum(histogram * levels)
-    mean_all = mean_dark[-1]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        between = (mean_all * weight_dark / total - mean_dark) ** 2 / (weight_dark * weight_light)
-    between = np.nan_to_num(between)
-    return int(np.argmax(between))
-
-
-def deskew(grey: Image.Image, max_angle: float = 5.0, step: float = 0.5) -> Image.Image:
-    """Rotate by the small angle whose row profile of dark pixels is sharpest (text lines horizontal)."""
-    small = grey.copy()
-    small.thumbnail((400, 400))
-    dark = np.asarray(small) < otsu_threshold(np.asarray(small))
-    if dark.mean() < 0.005:
-        return grey
-    ink = Image.fromarray((dark * 255).astype(np.uint8))
-    best_angle, best_score = 0.0, -1.0
-    for angle in np.arange(-max_angle, max_angle + step / 2, step):
-        profile = np.asarray(ink.rotate(angle, resample=Image.NEAREST, expand=False)).sum(axis=1, dtype=np.float64)
-        score = float(np.var(profile))
-        if score > best_score:
-            best_angle, best_score = float(angle), score
-    if abs(best_angle) < step / 2:
-        return grey
-    return grey.rotate(best_angle, resample=Image.BICUBIC, expand=True, fillcolor=255)
 
 
 def check_image(source, config) -> dict:

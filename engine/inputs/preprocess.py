@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from .images import enhance_for_ocr
+from .ocr import enhance_for_ocr
 from .limits import check_length, fit_to_budget, vision_token_count
 
 
