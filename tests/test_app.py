@@ -59,6 +59,18 @@ def test_sample_image_question_streams_an_answer_with_stats(app_env):
     assert f"{record.vision_tokens} vision tokens" in stats
 
 
+def test_enhance_for_ocr_shows_the_enhanced_picture_and_times_its_stage(app_env):
+    at = start()
+    at.selectbox(key="sample_image").set_value("page.png").run()
+    assert not at.expander  # nothing to show before the toggle
+    at.toggle(key="enhance_ocr").set_value(True).run()
+    (shown,) = [e for e in at.expander if "Enhance for OCR" in e.label]
+    assert len(shown.get("image")) == 2  # as sent, and enhanced
+    ask(at, "Read the text")
+    record = MetricsStore(app_env).recent(1, include_warmup=False)[0]
+    assert record.status == "ok" and record.stages["ocr_enhance"] > 0
+
+
 def test_upload_then_follow_up_refers_to_the_same_image(app_env, images_dir):
     at = start()
     at.file_uploader(key="image_upload").set_value(("rocket.jpg", (images_dir / "rocket.jpg").read_bytes(), "image/jpeg"))
