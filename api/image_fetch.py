@@ -26,39 +26,42 @@ class FetchRefused(Exception):
 
 
 class ImageFetcher:
-    """`fetcher(url)` is the image's bytes or an ApiError. Blocking: call it off the event loop."""
+    """`fetcher(url)` is the image's (or, with what="video", the clip's) bytes or an ApiError. Blocking: call it off
+    the event loop."""
 
-    def __init__(self, allowed_hosts: tuple[str, ...], max_bytes: int, private_networks: bool, deadline_s: float):
+    def __init__(self, allowed_hosts: tuple[str, ...], max_bytes: int, private_networks: bool, deadline_s: float,
+                 what: str = "image"):
         self.allowed_hosts = frozenset(host.lower() for host in allowed_hosts)
         self.max_bytes, self.private_networks, self.deadline_s = max_bytes, private_networks, deadline_s
+        self.what = what  # "image" or "video": the part's name in messages and error codes
 
     def __call__(self, url: str) -> bytes:
         if url.startswith("data:"):
             return self._data_url(url)
         parsed = urlparse(url)
         if parsed.scheme not in ("http", "https"):
-            raise ApiError(400, "image_url must be a data: URL (file paths are never read)",
-                           code="image_url_not_allowed")
+            raise ApiError(400, f"{self.what}_url must be a data: URL (file paths are never read)",
+                           code=f"{self.what}_url_not_allowed")
         if (parsed.hostname or "").lower() not in self.allowed_hosts:
             raise self._not_allowed()
         try:
             return self._fetch(url)
         except FetchRefused as exc:
-            log.warning("image fetch from %s refused or failed: %s", parsed.hostname, exc)
-            raise ApiError(400, f"could not fetch the image from {parsed.hostname}", code="image_fetch_failed",
-                           param="messages") from None
+            log.warning("%s fetch from %s refused or failed: %s", self.what, parsed.hostname, exc)
+            raise ApiError(400, f"could not fetch the {self.what} from {parsed.hostname}",
+                           code=f"{self.what}_fetch_failed", param="messages") from None
 
     def _data_url(self, url: str) -> bytes:
         header, _, payload = url.partition(",")
         if ";base64" not in header:
-            raise ApiError(400, "image data URLs must be base64 encoded (data:image/png;base64,...)",
-                           code="invalid_image")
+            raise ApiError(400, f"{self.what} data URLs must be base64 encoded (data:{self.what}/..;base64,...)",
+                           code=f"invalid_{self.what}")
         if len(payload) * 3 // 4 > self.max_bytes + 3:
             raise self._too_large()
         try:
             data = base64.b64decode(payload, validate=True)
         except (binascii.Error, ValueError):
-            raise ApiError(400, "the image data URL is not valid base64", code="invalid_image") from None
+            raise ApiError(400, f"the {self.what} data URL is not valid base64", code=f"invalid_{self.what}") from None
         if len(data) > self.max_bytes:
             raise self._too_large()
         return data
@@ -111,8 +114,9 @@ class ImageFetcher:
                 raise FetchRefused(f"{parsed.hostname} resolves to {address}, not a public address")
 
     def _not_allowed(self) -> ApiError:
-        return ApiError(400, "remote image URLs are refused: send the image as a data: URL, or allow its host in "
-                             "VLSCOPE_API_IMAGE_HOSTS", code="image_url_not_allowed")
+        return ApiError(400, f"remote {self.what} URLs are refused: send the {self.what} as a data: URL, or allow its "
+                             "host in VLSCOPE_API_IMAGE_HOSTS", code=f"{self.what}_url_not_allowed")
 
     def _too_large(self) -> ApiError:
-        return ApiError(413, f"an image is over the {self.max_bytes // 1_000_000} MB limit", code="image_too_large")
+        return ApiError(413, f"{'a' if self.what == 'video' else 'an'} {self.what} is over the "
+                             f"{self.max_bytes // 1_000_000} MB limit", code=f"{self.what}_too_large")

@@ -10,14 +10,15 @@ from . import structured
 from .errors import ApiError, unsupported
 
 
-def _content(content, fetch_image, max_pages: int | None = None) -> tuple[str, tuple]:
+def _content(content, fetch_image, max_pages: int | None = None, fetch_video=None) -> tuple[str, tuple, tuple]:
     """A message's text and its attachments: images as bytes, PDF `file` parts as Documents (PDF data URLs in
-    image_url parts are found by their content downstream)."""
+    image_url parts are found by their content downstream), and video clips (`video_url` parts, as vLLM takes them)
+    as bytes."""
     if isinstance(content, str):
-        return content, ()
+        return content, (), ()
     if not isinstance(content, list):
         raise ApiError(400, "message content must be a string or a list of parts")
-    texts, images = [], []
+    texts, images, videos = [], [], []
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind == "text" and isinstance(part.get("text"), str):
@@ -31,9 +32,15 @@ def _content(content, fetch_image, max_pages: int | None = None) -> tuple[str, t
             images.append(Document(data, "document.pdf", max_pages=max_pages) if is_pdf(data) else data)
         elif kind == "file":
             images.append(_file_part(part.get("file"), fetch_image, max_pages))
+        elif kind == "video_url" and fetch_video is not None:
+            source = part.get("video_url")
+            url = source.get("url") if isinstance(source, dict) else source
+            if not isinstance(url, str):
+                raise ApiError(400, "video_url parts need a video_url.url string", param="messages")
+            videos.append(fetch_video(url))
         else:
-            raise ApiError(400, f"unsupported content part {kind!r}: use text, image_url and file parts")
-    return "\n".join(texts), tuple(images)
+            raise ApiError(400, f"unsupported content part {kind!r}: use text, image_url, video_url and file parts")
+    return "\n".join(texts), tuple(images), tuple(videos)
 
 
 def _file_part(file, fetch_image, max_pages: int | None):
@@ -101,8 +108,25 @@ def _count_attachments(messages: list) -> int:
                for part in message["content"] if isinstance(part, dict) and part.get("type") in ATTACHMENT_PARTS)
 
 
+def video_settings(body: dict) -> tuple[float | None, int | None]:
+    """(fps, frames at most) from vLLM's spellings: `mm_processor_kwargs: {"fps": 2}` and
+    `media_io_kwargs: {"video": {"num_frames": 32}}`; any other key there is refused by name, never ignored."""
+    processor = body.get("mm_processor_kwargs") or {}
+    media = body.get("media_io_kwargs") or {}
+    if not isinstance(processor, dict) or not isinstance(media, dict) or not isinstance(media.get("video", {}), dict):
+        raise ApiError(400, "mm_processor_kwargs and media_io_kwargs.video must be objects", code="invalid_type",
+                       param="mm_processor_kwargs")
+    for name, given, known in (("mm_processor_kwargs", processor, {"fps"}), ("media_io_kwargs", media, {"video"}),
+                               ("media_io_kwargs.video", media.get("video", {}), {"num_frames"})):
+        unknown = sorted(set(given) - known)
+        if unknown:
+            raise unsupported(name, f"{name} takes {', '.join(sorted(known))} here, not {', '.join(unknown)}")
+    return (_number(processor, "fps", float, 0, 30, inclusive_low=False),
+            _number(media.get("video", {}), "num_frames", int, 4, 768))
+
+
 def to_chat_request(body: dict, fetch_image, max_tokens_cap: int, allow_ignore_eos: bool,
-                    max_images: int = 16, max_messages: int | None = None) -> ChatRequest:
+                    max_images: int = 16, max_messages: int | None = None, fetch_video=None) -> ChatRequest:
     """The engine request an OpenAI body stands for. `fetch_image(url)` gives an image_url's bytes; `max_tokens_cap`
     is the server's answer length cap; ignore_eos is refused unless the operator allows it."""
     if not isinstance(body, dict):
@@ -120,7 +144,8 @@ def to_chat_request(body: dict, fetch_image, max_tokens_cap: int, allow_ignore_e
         raise ApiError(400, f"{attachments:,} images and files; at most {max_images} per request",
                        code="too_many_images", param="messages")
     max_pages = _number(body, "max_pages", int, 1, 1000)  # vlscope's extension: at most this many pages a document
-    turns = [_turn(message, fetch_image, max_pages) for message in messages]
+    video_fps, video_max_frames = video_settings(body)
+    turns = [_turn(message, fetch_image, max_pages, fetch_video) for message in messages]
     last = turns[-1]
     if last.role not in ("user", "tool"):
         raise ApiError(400, "the last message must come from the user, or be a tool's result", param="messages")
@@ -137,7 +162,8 @@ def to_chat_request(body: dict, fetch_image, max_tokens_cap: int, allow_ignore_e
         raise ApiError(400, "top_logprobs needs logprobs: true", code="invalid_value", param="top_logprobs")
     tools, tool_choice, parallel_tool_calls = structured.tools(body)
     return ChatRequest(
-        prompt=last.text, images=last.images, history=tuple(turns[:-1]), prompt_role=last.role,
+        prompt=last.text, images=last.images, videos=last.videos, history=tuple(turns[:-1]),
+        prompt_role=last.role, video_fps=video_fps, video_max_frames=video_max_frames,
         json_schema=structured.json_schema(body), tools=tools, tool_choice=tool_choice,
         parallel_tool_calls=parallel_tool_calls,
         max_new_tokens=max_tokens, temperature=_number(body, "temperature", float, 0, 2),
@@ -150,7 +176,7 @@ def to_chat_request(body: dict, fetch_image, max_tokens_cap: int, allow_ignore_e
     )
 
 
-def _turn(message, fetch_image, max_pages: int | None) -> Turn:
+def _turn(message, fetch_image, max_pages: int | None, fetch_video=None) -> Turn:
     """One message as a turn of the conversation: its text and images, an assistant's calls, a tool's result."""
     if not isinstance(message, dict) or message.get("role") not in ROLES:
         raise ApiError(400, "each message needs a role of system, developer, user, assistant or tool",
@@ -159,14 +185,14 @@ def _turn(message, fetch_image, max_pages: int | None) -> Turn:
     content = message.get("content", "")
     if content is None and role in ("assistant", "tool"):  # an assistant turn of calls alone
         content = ""
-    text, images = _content(content, fetch_image, max_pages)
-    if images and role != "user":
-        raise ApiError(400, "only user messages may carry images", param="messages")
+    text, images, videos = _content(content, fetch_image, max_pages, fetch_video)
+    if (images or videos) and role != "user":
+        raise ApiError(400, "only user messages may carry images and videos", param="messages")
     calls = structured.assistant_calls(message) if role == "assistant" else ()
     tool_call_id = message.get("tool_call_id", "") if role == "tool" else ""
     if not isinstance(tool_call_id, str):
         raise ApiError(400, "a tool message's tool_call_id must be a string", code="invalid_type", param="messages")
-    return Turn(role, text, images, calls, tool_call_id)
+    return Turn(role, text, images, videos, calls, tool_call_id)
 
 
 def _max_tokens(body: dict, name: str, cap: int) -> int | None:

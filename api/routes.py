@@ -16,9 +16,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from engine import (Busy, ChatRequest, InsufficientMemory, InvalidImage, InvalidPrompt, InvalidSchema, PromptTooLong,
-                    RequestHandle,
-                    RequestMetrics, ServingEngine, StageStarted, TextChunk, VlscopeError)
+from engine import (Busy, ChatRequest, InsufficientMemory, InvalidImage, InvalidPrompt, InvalidSchema, InvalidVideo,
+                    PromptTooLong, RequestHandle, RequestMetrics, ServingEngine, StageStarted, TextChunk, VlscopeError)
 from engine.inputs.limits import max_messages
 from engine.records.stages import PREFILL, VISION_ENCODE
 from engine.records.trace import refusal_record
@@ -74,8 +73,11 @@ def _request_from_body(body: dict, engine):
     fetcher = ImageFetcher(settings.api_image_hosts, engine.config.max_image_bytes,
                            settings.api_image_private_networks, settings.api_image_fetch_seconds)
     config = engine.config
+    # A clip comes as a data: URL inside the JSON body, so the body limit bounds it too.
+    video_fetcher = ImageFetcher(settings.api_image_hosts, config.max_video_bytes, settings.api_image_private_networks,
+                                 settings.api_image_fetch_seconds, what="video")
     return to_chat_request(body, fetcher, config.max_new_tokens, settings.api_allow_ignore_eos, config.max_images,
-                           max_messages(config))
+                           max_messages(config), video_fetcher)
 
 
 def _start_loading() -> None:
@@ -97,7 +99,7 @@ def _engine() -> ServingEngine:
 def _engine_error(exc: VlscopeError) -> ApiError:
     if isinstance(exc, Busy):
         error = ApiError(429, exc.message, "rate_limit_error", "busy", retry_after=5)
-    elif isinstance(exc, (InvalidImage, InvalidPrompt, InvalidSchema, PromptTooLong)):
+    elif isinstance(exc, (InvalidImage, InvalidVideo, InvalidPrompt, InvalidSchema, PromptTooLong)):
         error = ApiError(400, exc.message, "invalid_request_error", exc.kind, param=getattr(exc, "about", None))
     elif isinstance(exc, InsufficientMemory):
         error = ApiError(503, exc.message, "server_error", exc.kind, retry_after=30)

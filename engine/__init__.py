@@ -8,6 +8,7 @@ from .errors import (
                      InvalidImage,
                      InvalidPrompt,
                      InvalidSchema,
+                     InvalidVideo,
                      ModelUnavailable,
                      PromptTooLong,
                      VlscopeError,
@@ -21,7 +22,7 @@ from .serving import ServingEngine
 
 __all__ = [
     "Answer", "Busy", "ChatRequest", "DEFAULT_MODEL", "DTYPES", "Engine", "EngineConfig", "EngineInfo",
-    "GenerationFailed", "InsufficientMemory", "InvalidImage", "InvalidPrompt", "InvalidSchema", "MetricsStore", "ModelUnavailable",
+    "GenerationFailed", "InsufficientMemory", "InvalidImage", "InvalidPrompt", "InvalidSchema", "InvalidVideo", "MetricsStore", "ModelUnavailable",
     "PromptTooLong", "Queued", "RequestHandle", "RequestMetrics", "SKELETON_DIR", "ServingEngine", "STAGES", "STATUSES",
     "StageStarted", "TextChunk", "Tool", "ToolCall", "Turn", "VlscopeError", "open_store", "stage_percentiles", "to_csv",
 ]

@@ -5,11 +5,13 @@ import argparse
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 from .client import Engine
 from .config import COMPUTE_DTYPES, DTYPES, SKELETON_DIR, EngineConfig
 from .errors import VlscopeError
 from .inputs.images import check_image
+from .inputs.video import VIDEO_SUFFIXES, check_video
 from .records.metrics import RequestMetrics
 from .request import ChatRequest, TextChunk
 
@@ -50,8 +52,8 @@ def cmd_ask(args) -> int:
     engine = None
     try:
         engine = Engine(config, progress=None if args.json else _progress)
-        request = ChatRequest(prompt=args.prompt, images=tuple(args.image or ()), source="cli",
-                              enhance_for_ocr=args.enhance_for_ocr)
+        request = ChatRequest(prompt=args.prompt, images=tuple(args.image or ()), videos=tuple(args.video or ()),
+                              source="cli", enhance_for_ocr=args.enhance_for_ocr, video_fps=args.fps)
         answer: list[str] = []
         out = sys.stderr if args.json else sys.stdout
         for event in engine.stream(request):
@@ -81,7 +83,7 @@ def cmd_check_images(args) -> int:
     config = EngineConfig.from_env()
     all_ok = True
     for name in args.files:
-        verdict = check_image(name, config)
+        verdict = check_video(name, config) if Path(name).suffix.lower() in VIDEO_SUFFIXES else check_image(name, config)
         all_ok &= verdict["ok"]
         print(json.dumps(verdict), flush=True)
     return 0 if all_ok else 2
@@ -107,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     ask = commands.add_parser("ask", help="answer one question about images, with a stage table")
     ask.add_argument("--model", help="hub id, folder with weights, or weightless skeleton folder")
     ask.add_argument("--image", action="append", help="image file (repeatable)")
+    ask.add_argument("--video", action="append", help="video clip: mp4, webm, mov, mkv or animated GIF (repeatable)")
+    ask.add_argument("--fps", type=float, help="frames sampled a second of each clip (default VLSCOPE_VIDEO_FPS, 2)")
     ask.add_argument("--prompt", required=True)
     ask.add_argument("--dtype", choices=DTYPES)
     ask.add_argument("--compute-dtype", choices=COMPUTE_DTYPES,
@@ -119,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     ask.add_argument("--json", action="store_true", help="print the metrics record as JSON (answer on stderr)")
     ask.set_defaults(run=cmd_ask)
 
-    check = commands.add_parser("check-images", help="print a JSON verdict per image file")
+    check = commands.add_parser("check-images", help="print a JSON verdict per image, document or video file")
     check.add_argument("files", nargs="+")
     check.set_defaults(run=cmd_check_images)
 

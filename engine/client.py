@@ -20,13 +20,15 @@ from PIL import Image
 from .config import EngineConfig
 from .core import compute
 from .core.request_state import RequestState
-from .errors import Busy, GenerationFailed, InvalidImage, InvalidPrompt, InvalidSchema, PromptTooLong, VlscopeError
+from .errors import (Busy, GenerationFailed, InvalidImage, InvalidPrompt, InvalidSchema, InvalidVideo, PromptTooLong,
+                     VlscopeError)
 from .inputs.documents import expand_documents
 from .inputs.images import load_request_images
 from .inputs.limits import check_size, check_text, control_tokens
+from .inputs.video import decode_frames, plan_request_videos, request_videos
 from .records.info import EngineInfo
 from .records.metrics import RequestMetrics
-from .records.stages import CANCELLED, GRAMMAR, REFUSED
+from .records.stages import CANCELLED, FRAME_DECODE, GRAMMAR, REFUSED, VIDEO_PROBE
 from .records.store import MetricsStore, open_store
 from .request import ChatRequest, Queued, StageStarted, TextChunk
 from .structured.compiler import GrammarCompiler
@@ -89,11 +91,18 @@ def take_in(state: RequestState, config: EngineConfig, admit: Callable[[], None]
         if constrain is not None and (state.request.json_schema is not None or state.request.tools):
             with trace.stage(GRAMMAR, announce=False):
                 state.grammar = constrain(state.request, config)
+        planned = []
+        if request_videos(state.request):  # clips are checked from their headers before any image is decoded
+            with trace.stage(VIDEO_PROBE, announce=False):
+                planned = plan_request_videos(state.request, config)
         with trace.loading_images() as clock:
             # A document's pages are counted and sized first, then rendered as each request's images are decoded.
             state.request = expand_documents(state.request, config)
             state.images = load_request_images(state.request, config, admit=admit, clock=clock)
-    except (InvalidImage, InvalidPrompt, InvalidSchema, PromptTooLong, Busy) as exc:
+        if planned:
+            with trace.stage(FRAME_DECODE, announce=False):
+                state.videos = [decode_frames(header, plan) for header, plan in planned]
+    except (InvalidImage, InvalidVideo, InvalidPrompt, InvalidSchema, PromptTooLong, Busy) as exc:
         trace.finish(REFUSED, exc)
         raise
 

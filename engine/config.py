@@ -82,6 +82,14 @@ class EngineConfig:
     max_pdf_pages: int = 8
     # Images (a document counting as one) in one request, its history included: counted before any is decoded.
     max_images: int = 16
+    # Video clips: read from the container's header before any frame is decoded, refused beyond these limits, then
+    # sampled at video_fps (Qwen3-VL's 2 by default) within video_max_tokens vision tokens a clip.
+    max_video_bytes: int = 200 * 1024 * 1024
+    max_video_seconds: float = 3600.0
+    max_video_pixels: int = 3840 * 2160 * 2  # a frame's stored size: 4K with room for taller formats
+    max_videos: int = 2  # clips in one request, its history included
+    video_fps: float = 2.0
+    video_max_tokens: int = 2048
     # Structured answers (response_format, tools): checked and compiled at submit, refused with a 400 over these.
     max_schema_bytes: int = 64 * 1024  # a response format's schema, or all tools' definitions together
     max_schema_depth: int = 32  # objects and arrays nested in a schema
@@ -125,6 +133,9 @@ class EngineConfig:
             raise ValueError("max_schema_bytes, max_schema_depth, max_tools and grammar_compile_seconds must be > 0")
         if self.max_pdf_pages < 1 or self.max_images < 1:
             raise ValueError("max_pdf_pages and max_images must be at least 1")
+        if not 0 < self.video_fps <= 30 or self.video_max_tokens < 256 or self.max_videos < 0:
+            raise ValueError("need 0 < video_fps <= 30, video_max_tokens >= 256 (two patches of 128 tokens) and "
+                             "max_videos >= 0")
         if self.records_keep_days < 0 or self.records_max_rows < 0:
             raise ValueError("records_keep_days and records_max_rows must be >= 0 (0 keeps all)")
 

@@ -16,6 +16,12 @@ class InvalidImage(VlscopeError):
     kind = "invalid_image"
 
 
+class InvalidVideo(VlscopeError):
+    """A clip that cannot be read, has no video stream or frames, or is beyond a limit: refused before decoding."""
+
+    kind = "invalid_video"
+
+
 class PromptTooLong(VlscopeError):
     kind = "prompt_too_long"
 

@@ -22,10 +22,12 @@ from .errors import (
     GenerationFailed,
     InvalidImage,
     InvalidSchema,
+    InvalidVideo,
     ModelUnavailable,
     PromptTooLong,
     VlscopeError,
 )
+from .inputs.video import request_videos
 from .records.metrics import current_rss
 from .request import ChatRequest, TextChunk
 from .records.info import EngineInfo
@@ -91,6 +93,8 @@ class RemoteEngine(StreamingMixin):
         return self.config.max_queue + 1
 
     def submit(self, request: ChatRequest) -> RequestHandle:
+        if request_videos(request):
+            raise InvalidVideo("video clips are read by a local model only: this server fronts a remote one")
         state = RequestState(request, self.info, self.config, self.store)
         take_in(state, self.config, self._check_room, constrain=_constrain)
         try:

@@ -7,6 +7,8 @@ from typing import Any, Union
 
 # A path, raw bytes, or a PIL image.
 ImageSource = Union[str, Path, bytes, Any]
+# A video clip: a path or raw bytes (mp4, webm, mov, mkv, animated GIF).
+VideoSource = Union[str, Path, bytes]
 
 
 @dataclass(frozen=True)
@@ -29,12 +31,13 @@ class Tool:
 
 @dataclass(frozen=True)
 class Turn:
-    """One earlier message of a conversation. User turns may carry the images they were about; assistant turns the
-    calls they made; tool turns carry a call's result."""
+    """One earlier message of a conversation. User turns may carry the images and clips they were about; assistant
+    turns the calls they made; tool turns carry a call's result."""
 
     role: str  # "system", "user", "assistant" or "tool"
     text: str
     images: tuple[ImageSource, ...] = ()
+    videos: tuple[VideoSource, ...] = ()
     tool_calls: tuple[ToolCall, ...] = ()
     tool_call_id: str = ""
 
@@ -47,6 +50,9 @@ class ChatRequest:
     prompt: str
     images: tuple[ImageSource, ...] = ()
     history: tuple[Turn, ...] = ()
+    videos: tuple[VideoSource, ...] = ()  # clips, read after the images in the same message
+    video_fps: float | None = None  # frames sampled a second; None: the engine's setting
+    video_max_frames: int | None = None  # at most this many frames a clip (even, 4 or more); None: 768
     max_new_tokens: int | None = None  # None: the engine's setting
     temperature: float | None = None
     top_p: float | None = None

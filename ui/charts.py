@@ -13,9 +13,9 @@ from engine.records.stages import DECODE, PREFILL, QUEUE_WAIT, STAGES
 
 GIB = 1 << 30
 # One colour per name of QUEUE_WAIT + STAGES, in that order.
-STAGE_COLOURS = dict(zip((QUEUE_WAIT,) + STAGES, ("#bab0ac", "#9c755f", "#d4a6c8", "#b07aa1", "#ff9da7", "#edc948", "#f28e2b",
-                                                  "#e15759", "#ff9d9a", "#4e79a7", "#76b7b2",
-                                                  "#59a14f")))
+STAGE_COLOURS = dict(zip((QUEUE_WAIT,) + STAGES, ("#bab0ac", "#9c755f", "#d4a6c8", "#8cd17d", "#499894", "#b07aa1",
+                                                  "#ff9da7", "#edc948", "#f28e2b", "#e15759", "#ff9d9a", "#4e79a7",
+                                                  "#76b7b2", "#59a14f"), strict=True))
 
 
 def label(record: RequestMetrics) -> str:

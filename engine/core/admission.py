@@ -124,9 +124,9 @@ class Admission:
             self.reused, self.start = (core.prefix_cache.take(prompt.input_ids, prepared.keys, self.spans) if reuse
                                        else (None, 0))
             trace.cached_prompt_tokens = self.start
-            # Only images after the reused prefix are encoded again.
+            # Only pictures and pairs of frames after the reused prefix are encoded again.
             fresh = [index for index, (first, _) in enumerate(self.spans) if first >= self.start]
-            self.patches = patchify_images(core.loaded.image_processor, [self.pictures[i] for i in fresh],
+            self.patches = patchify_images(core.loaded.image_processor, [prepared.items[i] for i in fresh],
                                            [prepared.sizes[i] for i in fresh]) if fresh else None
             self.grids = image_grids(prepared.sizes)
         # Preprocessing done: the running streams take a step before the encode (or, without one, the prefill).

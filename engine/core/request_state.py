@@ -39,6 +39,7 @@ class RequestState:
         self.submitted_perf = time.perf_counter()
         self.enqueued_perf = self.submitted_perf  # set again when it enters the queue, after its images are checked
         self.images: list = []  # LoadedImage, in conversation order, once intake has read them
+        self.videos: list = []  # LoadedVideo, in conversation order, once intake has decoded their frames
         self.events: queue.Queue = queue.Queue()
         self.cancelled = threading.Event()
         self.finished = threading.Event()  # its final record is posted: it no longer counts as running

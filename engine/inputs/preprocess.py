@@ -29,15 +29,19 @@ def clean_text(text: str) -> str:
     return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
 
 
-def chat_messages(history, prompt: str, image_counts: list[int], prompt_role: str = "user") -> list[dict]:
-    """OpenAI-style messages for the chat template. image_counts gives, per user turn in order, its image count;
-    the prompt is a user's message, or (`prompt_role` "tool") the result of a call the last turn made."""
+def chat_messages(history, prompt: str, image_counts: list[int], prompt_role: str = "user",
+                  video_counts: list[int] | None = None) -> list[dict]:
+    """OpenAI-style messages for the chat template. image_counts (and video_counts) give, per user turn in order, its
+    images (and clips), which come before its text; the prompt is a user's message, or (`prompt_role` "tool") the
+    result of a call the last turn made."""
     messages = []
     counts = iter(image_counts)
+    clips = iter(video_counts or [0] * len(image_counts))
     for turn in history:
         text = clean_text(turn.text)
         if turn.role == "user":
-            content = [{"type": "image"}] * next(counts) + [{"type": "text", "text": text}]
+            content = ([{"type": "image"}] * next(counts) + [{"type": "video"}] * next(clips)
+                       + [{"type": "text", "text": text}])
         elif turn.role in ("system", "tool"):
             content = text
         else:
@@ -52,7 +56,7 @@ def chat_messages(history, prompt: str, image_counts: list[int], prompt_role: st
         messages.append({"role": "tool", "content": clean_text(prompt)})
     else:
         messages.append({"role": "user", "content": [{"type": "image"}] * next(counts)
-                         + [{"type": "text", "text": clean_text(prompt)}]})
+                         + [{"type": "video"}] * next(clips) + [{"type": "text", "text": clean_text(prompt)}]})
     return messages
 
 
@@ -64,13 +68,28 @@ def template_tools(tools) -> list[dict] | None:
                                               "parameters": json.loads(tool.parameters)}} for tool in tools]
 
 
-def tokenize_prompt(tokenizer, messages: list[dict], resized_sizes: list[tuple[int, int]], image_token_id: int,
-                    tools: list[dict] | None = None) -> PromptTokens:
-    """Apply the chat template, then widen each image placeholder to that image's number of vision tokens.
+# The chat template's mark for a clip; Qwen3-VL's processor writes each pair of frames in its place, timestamped.
+VIDEO_WRAPPER = "<|vision_start|><|video_pad|><|vision_end|>"
 
-    Widening in id space (not by repeating the placeholder string) keeps tokenization cost independent of image size.
+
+def video_text(plan) -> str:
+    """A clip as Qwen3-VL's processor writes it: per pair of frames `<t seconds>` (the pair's mean time, one
+    decimal), then its vision tokens between vision_start and vision_end."""
+    pads = "<|video_pad|>" * plan.tokens_per_patch
+    return "".join(f"<{time:.1f} seconds><|vision_start|>{pads}<|vision_end|>" for time in plan.patch_times)
+
+
+def tokenize_prompt(tokenizer, messages: list[dict], resized_sizes: list[tuple[int, int]], image_token_id: int,
+                    tools: list[dict] | None = None, videos=(), video_token_id: int | None = None) -> PromptTokens:
+    """Apply the chat template, then widen each image placeholder to that image's number of vision tokens and write
+    each clip (`videos`: their VideoPlans, in order) as its timestamped pairs of frames.
+
+    Images are widened in id space (not by repeating the placeholder string), which keeps tokenization cost
+    independent of image size; a clip's timestamps are text and are tokenized with it, as the processor does.
     """
     text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    for plan in videos:
+        text = text.replace(VIDEO_WRAPPER, video_text(plan), 1)
     ids = np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
     placeholder_positions = np.flatnonzero(ids == image_token_id)
     if len(placeholder_positions) != len(resized_sizes):
@@ -81,7 +100,10 @@ def tokenize_prompt(tokenizer, messages: list[dict], resized_sizes: list[tuple[i
     repeats[placeholder_positions] = [vision_token_count(size) for size in resized_sizes]
     expanded = np.repeat(ids, repeats)
     input_ids = torch.from_numpy(expanded).unsqueeze(0)
-    return PromptTokens(input_ids=input_ids, mm_token_type_ids=(input_ids == image_token_id).to(torch.int32))
+    types = (input_ids == image_token_id).to(torch.int32)
+    if video_token_id is not None:
+        types += 2 * (input_ids == video_token_id).to(torch.int32)
+    return PromptTokens(input_ids=input_ids, mm_token_type_ids=types)
 
 
 def image_grids(resized_sizes: list[tuple[int, int]]) -> torch.Tensor | None:
@@ -91,14 +113,33 @@ def image_grids(resized_sizes: list[tuple[int, int]]) -> torch.Tensor | None:
     return torch.tensor([[1, height // 16, width // 16] for width, height in resized_sizes], dtype=torch.int64)
 
 
-def patchify_images(image_processor, images: list[Image.Image], resized_sizes: list[tuple[int, int]]) -> ImagePatches:
-    """Resize with PIL (C, on uint8) to the budgeted sizes, then normalise and cut into patches in one numpy pass."""
+def patchify_images(image_processor, images: list, resized_sizes: list[tuple[int, int]]) -> ImagePatches:
+    """Resize with PIL (C, on uint8) to the budgeted sizes, then normalise and cut into patches in one numpy pass.
+    An item may be a pair of a clip's frames: one temporal patch of two frames where a picture repeats itself."""
     resized = [
-        image if image.size == size else image.resize(size, resample=Image.BICUBIC)
+        image if isinstance(image, tuple) or image.size == size else image.resize(size, resample=Image.BICUBIC)
         for image, size in zip(images, resized_sizes)
     ]
-    features = image_processor(images=resized, do_resize=False, return_tensors="pt")
-    return ImagePatches(pixel_values=features["pixel_values"], image_grid_thw=features["image_grid_thw"])
+    pictures = [frame for item in resized for frame in (item if isinstance(item, tuple) else (item,))]
+    features = image_processor(images=pictures, do_resize=False, return_tensors="pt")
+    values, grids = features["pixel_values"], features["image_grid_thw"]
+    if len(pictures) == len(resized):
+        return ImagePatches(pixel_values=values, image_grid_thw=grids)
+    # Each picture's patches hold it twice over time (channels, 2 frames, 16, 16): a pair takes its first frame's
+    # picture and its second's.
+    per_picture = torch.split(values, grids.prod(-1).tolist())
+    parts, grid_rows, index = [], [], 0
+    for item in resized:
+        first = per_picture[index]
+        if isinstance(item, tuple):
+            second = per_picture[index + 1]
+            pair = first.view(first.shape[0], 3, 2, -1).clone()
+            pair[:, :, 1] = second.view(second.shape[0], 3, 2, -1)[:, :, 0]
+            first = pair.view(first.shape[0], -1)
+        parts.append(first)
+        grid_rows.append(grids[index])
+        index += len(item) if isinstance(item, tuple) else 1
+    return ImagePatches(pixel_values=torch.cat(parts), image_grid_thw=torch.stack(grid_rows))
 
 
 def single_image_inputs(loaded, image, resized: tuple[int, int], text: str) -> tuple[PromptTokens, ImagePatches]:
@@ -111,28 +152,52 @@ def single_image_inputs(loaded, image, resized: tuple[int, int], text: str) -> t
 @dataclass
 class PreparedInput:
     prompt: PromptTokens
-    sizes: list[tuple[int, int]]  # each picture's size within the image token budget
-    keys: tuple[str, ...]  # each picture's identity for the prefix cache: content hash, enhancement, size
+    sizes: list[tuple[int, int]]  # each vision item's size: a picture within the image token budget, a clip's frames
+    keys: tuple[str, ...]  # each vision item's identity for the prefix cache: content hash, enhancement, size
+    items: list  # the vision items in prompt order: pictures, and pairs of a clip's frames
 
 
 def ocr_pictures(job) -> list:
     return [enhance_for_ocr(image.image) for image in job.images]
 
 
+def vision_items(job, pictures: list, sizes: list, user_turns: list) -> tuple[list, list, list]:
+    """The conversation's pictures and its clips' pairs of frames in the order the prompt holds them (per user turn
+    its pictures, then its clips), with each one's size and prefix-cache key."""
+    request = job.request
+    items, item_sizes, keys = [], [], []
+    pictures_left, clips_left = iter(zip(job.images, pictures, sizes)), iter(job.videos)
+    for images, videos in user_turns:
+        for _ in range(images):
+            image, picture, (width, height) = next(pictures_left)
+            items.append(picture)
+            item_sizes.append((width, height))
+            keys.append(f"{image.sha256}/{int(request.enhance_for_ocr)}/{width}x{height}")
+        for _ in range(videos):
+            clip = next(clips_left)
+            for patch in range(len(clip.plan.patch_times)):
+                items.append((clip.frames[2 * patch], clip.frames[2 * patch + 1]))
+                item_sizes.append(clip.plan.size)
+                keys.append(f"{clip.key}/{patch}")
+    return items, item_sizes, keys
+
+
 def prepare_input(job, pictures: list, loaded, config, context_length: int) -> PreparedInput:
-    """Template and tokens of `job`'s conversation with its `pictures` fitted to the image budget; raises
-    PromptTooLong before any compute when it cannot fit."""
+    """Template and tokens of `job`'s conversation with its `pictures` fitted to the image budget and its clips'
+    frames as planned; raises PromptTooLong before any compute when it cannot fit."""
     request = job.request
     sizes = [fit_to_budget(*picture.size, config.min_pixels, config.max_pixels) for picture in pictures]
-    image_counts = [len(turn.images) for turn in request.history if turn.role == "user"]
-    messages = chat_messages(request.history, request.prompt, image_counts + [len(request.images)],
-                             request.prompt_role)
+    user_turns = [(len(turn.images), len(turn.videos)) for turn in request.history if turn.role == "user"]
+    user_turns.append((len(request.images), len(request.videos)))
+    messages = chat_messages(request.history, request.prompt, [images for images, _ in user_turns],
+                             request.prompt_role, [videos for _, videos in user_turns])
     tools = template_tools(request.tools if request.tool_choice != "none" else ())
-    prompt = tokenize_prompt(loaded.tokenizer, messages, sizes, loaded.image_token_id, tools)
+    prompt = tokenize_prompt(loaded.tokenizer, messages, sizes, loaded.image_token_id, tools,
+                             [clip.plan for clip in job.videos], loaded.video_token_id)
+    items, item_sizes, keys = vision_items(job, pictures, sizes, user_turns)
     trace = job.trace
     trace.resized_sizes = tuple(sizes)
-    trace.vision_tokens = sum(vision_token_count(size) for size in sizes)
+    trace.vision_tokens = sum(vision_token_count(size) for size in item_sizes)
     trace.prompt_tokens = prompt.input_ids.shape[1]
     check_length(trace.prompt_tokens, trace.max_new_tokens, config.max_input_tokens, context_length)
-    keys = tuple(f"{image.sha256}/{int(request.enhance_for_ocr)}/{w}x{h}" for image, (w, h) in zip(job.images, sizes))
-    return PreparedInput(prompt, sizes, keys)
+    return PreparedInput(prompt, item_sizes, tuple(keys), items)

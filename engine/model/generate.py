@@ -82,10 +82,20 @@ class VisionEncoding:
         return True
 
 
+def as_pictures(model, input_ids: torch.Tensor, mm_token_type_ids: torch.Tensor | None):
+    """The ids and token types the model is given: a clip's pair of frames as a picture. Qwen3-VL places a pair
+    (get_rope_index splits a clip into patches of one pair) and embeds it exactly as a picture of one temporal patch,
+    so only the id differs; the prompt, and the prefix cache that matches it, keep the video ids."""
+    if mm_token_type_ids is None or not bool((mm_token_type_ids == 2).any()):
+        return input_ids, mm_token_type_ids
+    config = model.config
+    return (torch.where(input_ids == config.video_token_id, config.image_token_id, input_ids),
+            (mm_token_type_ids > 0).to(mm_token_type_ids.dtype))
+
+
 def prompt_positions(model, prompt: PromptTokens, image_grid_thw: torch.Tensor | None) -> tuple[torch.Tensor, int]:
-    spatial, delta = model.model.get_rope_index(
-        prompt.input_ids, mm_token_type_ids=prompt.mm_token_type_ids, image_grid_thw=image_grid_thw
-    )
+    input_ids, types = as_pictures(model, prompt.input_ids, prompt.mm_token_type_ids)
+    spatial, delta = model.model.get_rope_index(input_ids, mm_token_type_ids=types, image_grid_thw=image_grid_thw)
     length = prompt.input_ids.shape[1]
     text = torch.arange(length, dtype=spatial.dtype).view(1, 1, -1)
     return torch.cat([text, spatial], dim=0), int(delta.view(-1)[0])
@@ -146,6 +156,7 @@ class ChunkedPrefill:
         self.positions, self.rope_delta = prompt_positions(model, prompt, image_grid_thw)
         self.cache = DynamicCache(config=model.config.get_text_config()) if cache is None and use_cache else cache
         self.total = prompt.input_ids.shape[1]
+        self.input_ids, self.types = as_pictures(model, prompt.input_ids, prompt.mm_token_type_ids)
         self.first = start  # the next chunk's first token
         self.placed = 0  # vision tokens handed to earlier chunks
         self.logits: torch.Tensor | None = None
@@ -155,7 +166,7 @@ class ChunkedPrefill:
         prompt, vision = self.prompt, self.vision
         first = self.first
         last = self.total if tokens is None or not self.use_cache else min(first + max(1, tokens), self.total)
-        input_ids = prompt.input_ids[:, first:last]
+        input_ids = self.input_ids[:, first:last]
         outputs = vision
         if vision is not None and (first, last) != (self.start, self.total):
             count = int((input_ids == self.model.config.image_token_id).sum())
@@ -167,7 +178,7 @@ class ChunkedPrefill:
             position_ids=self.positions[:, :, first:last],
             cache=self.cache,
             use_cache=self.use_cache,
-            mm_token_type_ids=prompt.mm_token_type_ids[:, first:last],
+            mm_token_type_ids=self.types[:, first:last],
             mm_encoder_outputs={"image": outputs} if outputs is not None else None,
         )
         self.first = last
@@ -241,12 +252,13 @@ def decode_one_token(model, state: DecodeState, token: int) -> torch.Tensor:
                                     use_cache=True)
     else:
         state.mm_token_type_ids = torch.cat([state.mm_token_type_ids, torch.zeros_like(new_token, dtype=torch.int32)], 1)
+        input_ids, types = as_pictures(model, state.tokens, state.mm_token_type_ids)
         hidden = run_language_model(
             model,
-            input_ids=state.tokens,
+            input_ids=input_ids,
             position_ids=state.positions,
             use_cache=False,
-            mm_token_type_ids=state.mm_token_type_ids,
+            mm_token_type_ids=types,
             image_grid_thw=state.image_grid_thw,
             mm_encoder_outputs={"image": state.vision} if state.vision is not None else None,
         )

@@ -54,6 +54,7 @@ class LoadedModel:
     image_processor: object
     eos_token_ids: tuple[int, ...]
     image_token_id: int
+    video_token_id: int
     name: str
     synthetic: bool
     dtype: str  # how the weights are stored: float32, bfloat16, int8 or int4
@@ -216,6 +217,7 @@ def load_model(config: EngineConfig, progress: ProgressCallback | None = None) -
         image_processor=image_processor,
         eos_token_ids=_eos_ids(load_from, tokenizer),
         image_token_id=int(model.config.image_token_id),
+        video_token_id=int(model.config.video_token_id),
         name=config.model,
         synthetic=synthetic,
         dtype=config.dtype,

@@ -3,6 +3,8 @@
 # Stage names in the order a request meets them. Every stage is timed apart; their sum never exceeds e2e_s.
 LOAD_IMAGES = "load_images"
 RENDER_PAGES = "render_pages"  # a document's pages rasterized (PDFium), apart from load_images
+VIDEO_PROBE = "video_probe"  # a clip's container read and checked, its frames planned: nothing decoded yet
+FRAME_DECODE = "frame_decode"  # a clip's sampled frames sought, decoded and resized
 UPLOAD = "upload"  # remote engine: sending the request until the server's response begins
 OCR_ENHANCE = "ocr_enhance"
 PREPROCESS = "preprocess"
@@ -12,7 +14,7 @@ SERVER_FIRST_TOKEN = "server_first_token"  # remote engine: the server's vision,
 DECODE = "decode"
 DETOKENIZE = "detokenize"
 GRAMMAR = "grammar"  # a structured answer's grammar: compiled at submit, then each token's mask
-STAGES = (LOAD_IMAGES, RENDER_PAGES, UPLOAD, OCR_ENHANCE, PREPROCESS, VISION_ENCODE, PREFILL, SERVER_FIRST_TOKEN, DECODE,
+STAGES = (LOAD_IMAGES, RENDER_PAGES, VIDEO_PROBE, FRAME_DECODE, UPLOAD, OCR_ENHANCE, PREPROCESS, VISION_ENCODE, PREFILL, SERVER_FIRST_TOKEN, DECODE,
           DETOKENIZE, GRAMMAR)
 QUEUE_WAIT = "queue_wait"  # not a stage of the record's `stages`: its own field, shown beside them in charts
 

@@ -1,0 +1,286 @@
+"""Turning an untrusted video clip into the frames the model reads: the container's header checked before any frame
+is decoded, frames sampled at the requested rate within the token budget, each decoded by seeking to its time.
+
+Qwen3-VL's rules (qwen-vl-utils): 2 frames a second by default, an even count of 4 to 768 frames, each pair of frames
+one temporal patch of 128 to 768 vision tokens (32-pixel units), timestamped by the mean time of its two frames.
+PyAV decodes (FFmpeg's libraries in its wheel); docs/decisions.md says why.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import math
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+from PIL import Image
+
+from ..config import PIXELS_PER_VISION_TOKEN
+from ..errors import InvalidVideo
+from .images import MAX_ASPECT_RATIO
+from .limits import MERGED_PATCH, fit_to_budget, read_source
+
+# What a file's name says is a clip (check-images; the API and the app read the content type too).
+VIDEO_SUFFIXES = (".mp4", ".m4v", ".webm", ".mov", ".mkv", ".avi")
+
+FRAMES_PER_PATCH = 2  # the vision tower's temporal patch: two frames, one set of tokens
+MIN_FRAMES, MAX_FRAMES = 4, 768
+MIN_TOKENS_PER_PATCH, MAX_TOKENS_PER_PATCH = 128, 768
+DEFAULT_FPS = 2.0
+# Seek again when the next sampled frame is further ahead than this; nearer ones are decoded on the way.
+SEEK_AHEAD_S = 2.0
+
+# One clip decodes at a time in the whole process, as one image does.
+_DECODE_LOCK = threading.Lock()
+
+
+@dataclass(frozen=True)
+class VideoHeader:
+    """What a clip's container says before any frame is decoded."""
+
+    name: str
+    data: bytes
+    container: str
+    codec: str
+    size: tuple[int, int]  # (width, height)
+    duration_s: float
+    fps: float  # the stream's average frame rate
+    frames: int  # frames in the stream, counted by the container or estimated from duration and rate
+    sha256: str
+
+
+@dataclass(frozen=True)
+class VideoPlan:
+    """Which frames a clip gives the model and at what size: frame times, and each temporal patch's timestamp."""
+
+    frame_times: tuple[float, ...]  # seconds, an even count
+    size: tuple[int, int]  # (width, height) every frame is resized to, multiples of 32
+    fps: float  # the sampling rate asked for
+
+    @property
+    def patch_times(self) -> tuple[float, ...]:
+        """The mean time of each pair of frames: what the prompt writes before the pair as `<t seconds>`."""
+        times = self.frame_times
+        return tuple((times[i] + times[i + 1]) / 2 for i in range(0, len(times), FRAMES_PER_PATCH))
+
+    @property
+    def tokens_per_patch(self) -> int:
+        width, height = self.size
+        return width * height // PIXELS_PER_VISION_TOKEN
+
+    @property
+    def tokens(self) -> int:
+        return self.tokens_per_patch * len(self.patch_times)
+
+
+@dataclass(frozen=True)
+class LoadedVideo:
+    """A clip as the model reads it: its sampled frames at the planned size, and where they came from."""
+
+    name: str
+    frames: tuple[Image.Image, ...]  # RGB, plan.size each
+    plan: VideoPlan
+    header: VideoHeader
+
+    @property
+    def key(self) -> str:
+        """Its identity for the prefix cache: content, frames and size."""
+        width, height = self.plan.size
+        times = ",".join(f"{t:.3f}" for t in self.plan.frame_times)
+        return f"{self.header.sha256}/{hashlib.sha256(times.encode()).hexdigest()[:16]}/{width}x{height}"
+
+
+def _av():
+    import av  # imported on first use: the engine starts without it for a server that never sees a clip
+
+    return av
+
+
+def read_video_header(source, *, max_bytes: int, max_seconds: float, max_pixels: int,
+                      name: str | None = None) -> VideoHeader:
+    """Open a clip and check what its container declares (streams, size, duration, frame rate), decoding nothing.
+    Raises InvalidVideo with a reason meant for users, naming the clip."""
+    try:
+        data, image, source_name = read_source(source, max_bytes)
+    except Exception as exc:  # read_source speaks of images: say the same of a clip
+        raise InvalidVideo(str(getattr(exc, "message", exc)).replace("image", "video")) from None
+    if image is not None:
+        raise InvalidVideo("a picture was handed in as a video: send it as an image")
+    name = name or source_name
+    av = _av()
+    try:
+        with av.open(io.BytesIO(data), mode="r", metadata_errors="ignore") as container:
+            if not container.streams.video:
+                kinds = sorted({stream.type for stream in container.streams})
+                has = f" (it holds {', '.join(kinds)})" if kinds else ""
+                raise InvalidVideo(f"{name}: the file has no video stream{has}")
+            stream = container.streams.video[0]
+            width, height = stream.codec_context.width, stream.codec_context.height
+            rate = float(stream.average_rate or stream.guessed_rate or 0)
+            duration = _duration(container, stream)
+            frames = int(stream.frames or 0) or (round(duration * rate) if rate and duration else 0)
+            format_name = container.format.name
+            codec = stream.codec_context.name
+    except InvalidVideo:
+        raise
+    except EOFError:
+        raise InvalidVideo(f"{name}: the file ends before its first frame (empty or cut short)") from None
+    except Exception as exc:  # PyAV raises FFmpeg's errors by their own names: each means an unreadable clip
+        raise InvalidVideo(f"{name}: not a video this server can read ({type(exc).__name__})") from None
+    if width <= 0 or height <= 0:
+        raise InvalidVideo(f"{name}: the video stream has no picture size")
+    if width * height > max_pixels:
+        raise InvalidVideo(f"{name}: {width}x{height} frames are {width * height / 1e6:.0f} megapixels, over the "
+                           f"{max_pixels / 1e6:.0f} megapixel limit")
+    if max(width, height) / min(width, height) > MAX_ASPECT_RATIO:
+        raise InvalidVideo(f"{name}: aspect ratio {width}x{height} is too extreme (over {MAX_ASPECT_RATIO}:1)")
+    if not rate or not duration or frames < 1:
+        raise InvalidVideo(f"{name}: the clip holds no frames (or does not say how long it is)")
+    if duration > max_seconds:
+        raise InvalidVideo(f"{name}: the clip is {_clock(duration)} long, over the {_clock(max_seconds)} limit; "
+                           "send a shorter part")
+    return VideoHeader(name, data, format_name, codec, (width, height), duration, rate, frames,
+                       hashlib.sha256(data).hexdigest())
+
+
+def _duration(container, stream) -> float:
+    if stream.duration and stream.time_base:
+        return float(stream.duration * stream.time_base)
+    if container.duration:
+        return container.duration / 1_000_000  # AV_TIME_BASE
+    return 0.0
+
+
+def _clock(seconds: float) -> str:
+    minutes, rest = divmod(round(seconds), 60)
+    return f"{minutes} min {rest} s" if minutes else f"{seconds:.1f} s"
+
+
+def plan_frames(header: VideoHeader, fps: float, max_tokens: int, max_frames: int = MAX_FRAMES) -> VideoPlan:
+    """The frames to sample at `fps` and their size, so the clip's vision tokens stay within `max_tokens`: qwen-vl-utils'
+    count (the clip's frames at `fps`, an even number of 4 to `max_frames`), fewer where even 128 tokens a patch would
+    not fit, and each frame as large as the budget left per patch allows (128-768 tokens)."""
+    patches_budget = max_tokens // MIN_TOKENS_PER_PATCH
+    if patches_budget * FRAMES_PER_PATCH < MIN_FRAMES:
+        raise InvalidVideo(f"a clip needs {MIN_FRAMES // FRAMES_PER_PATCH * MIN_TOKENS_PER_PATCH} vision tokens at "
+                           f"least; the video token budget is {max_tokens}")
+    wanted = header.frames / header.fps * fps
+    upper = _even_down(min(max_frames, MAX_FRAMES, header.frames if header.frames >= MIN_FRAMES else MIN_FRAMES,
+                           patches_budget * FRAMES_PER_PATCH))
+    count = max(MIN_FRAMES, min(_even_down(max(wanted, MIN_FRAMES)), upper))
+    last = max(header.frames - 1, 0)
+    indices = np.round(np.linspace(0, last, count)).astype(int)
+    times = tuple(float(index / header.fps) for index in indices)
+    per_patch = min(MAX_TOKENS_PER_PATCH, max_tokens // (count // FRAMES_PER_PATCH))
+    width, height = header.size
+    fitted_width, fitted_height = fit_to_budget(width, height, MIN_TOKENS_PER_PATCH * PIXELS_PER_VISION_TOKEN,
+                                                per_patch * PIXELS_PER_VISION_TOKEN)
+    # Scaled up to the least tokens a pair takes, rounding up can pass a tight budget: the budget wins, a side at a
+    # time, keeping the clip's shape.
+    while fitted_width * fitted_height > per_patch * PIXELS_PER_VISION_TOKEN:
+        if fitted_width / fitted_height > width / height:
+            fitted_width -= MERGED_PATCH
+        else:
+            fitted_height -= MERGED_PATCH
+    return VideoPlan(times, (fitted_width, fitted_height), fps)
+
+
+def _even_down(value: float) -> int:
+    return int(math.floor(value / FRAMES_PER_PATCH) * FRAMES_PER_PATCH)
+
+
+def decode_frames(header: VideoHeader, plan: VideoPlan) -> LoadedVideo:
+    """Each planned frame, found by seeking to its time (a keyframe before it, then decoding forward) and resized
+    to the plan's size; a frame missing from a clip cut short is the last one decoded before it."""
+    av = _av()
+    width, height = plan.size
+    frames: list[Image.Image] = []
+    with _DECODE_LOCK:
+        try:
+            with av.open(io.BytesIO(header.data), mode="r", metadata_errors="ignore") as container:
+                stream = container.streams.video[0]
+                stream.thread_type = "AUTO"
+                decoded = _frames_at(container, stream, plan.frame_times)
+                for frame in decoded:
+                    frames.append(frame.to_image().convert("RGB").resize((width, height), Image.BICUBIC)
+                                  if frame is not None else None)
+        except Exception as exc:
+            raise InvalidVideo(f"{header.name}: a frame could not be decoded ({type(exc).__name__})") from None
+    if all(frame is None for frame in frames):
+        raise InvalidVideo(f"{header.name}: no frame could be decoded")
+    # A frame the stream ended before: the nearest decoded one before it (or after, at the start).
+    filled = []
+    for index, frame in enumerate(frames):
+        filled.append(frame if frame is not None else next(
+            (f for f in reversed(frames[:index]) if f is not None), None) or next(f for f in frames if f is not None))
+    return LoadedVideo(header.name, tuple(filled), plan, header)
+
+
+def _frames_at(container, stream, times):
+    """For each time, the first frame shown at or after it (None past the stream's end); one seek a jump."""
+    base = stream.time_base
+    found: list = [None] * len(times)
+    iterator, position = None, -math.inf  # the time of the last frame decoded
+    last = None
+    for index, target in enumerate(times):
+        if iterator is None or target - position > SEEK_AHEAD_S or target < position:
+            container.seek(int(target / base) if base else 0, stream=stream, backward=True, any_frame=False)
+            iterator, last = container.decode(stream), None
+        frame = last if last is not None and _time(last, base) >= target - 1e-6 else None
+        while frame is None:
+            frame = next(iterator, None)
+            if frame is None:
+                break
+            position = _time(frame, base)
+            last = frame
+            if position < target - 0.5 / max(stream.average_rate or 25, 1):
+                frame = None
+        found[index] = frame if frame is not None else last
+    return found
+
+
+def _time(frame, base) -> float:
+    return float(frame.pts * base) if frame.pts is not None and base else float(frame.time or 0.0)
+
+
+def request_videos(request) -> list:
+    """Every clip of a conversation, earlier turns first."""
+    return [source for turn in request.history for source in turn.videos] + list(request.videos)
+
+
+def plan_request_videos(request, config) -> list[tuple[VideoHeader, VideoPlan]]:
+    """Each clip's header checked and its frames planned, nothing decoded: the request is refused here, before any
+    work, for a clip beyond a limit or too many clips."""
+    sources = request_videos(request)
+    if len(sources) > config.max_videos:
+        raise InvalidVideo(f"The request carries {len(sources)} video clips; at most {config.max_videos} are read "
+                           "per request.")
+    fps = request.video_fps if request.video_fps is not None else config.video_fps
+    if not 0 < fps <= 30:
+        raise InvalidVideo(f"fps must be between 0 and 30 frames a second, not {fps}")
+    max_frames = request.video_max_frames if request.video_max_frames is not None else MAX_FRAMES
+    if max_frames < MIN_FRAMES:
+        raise InvalidVideo(f"max_frames must be {MIN_FRAMES} or more (frames go in pairs), not {max_frames}")
+    planned = []
+    for source in sources:
+        header = read_video_header(source, max_bytes=config.max_video_bytes, max_seconds=config.max_video_seconds,
+                                   max_pixels=config.max_video_pixels)
+        planned.append((header, plan_frames(header, fps, config.video_max_tokens, max_frames)))
+    return planned
+
+
+def check_video(source, config) -> dict:
+    """The verdict `check-images` prints for a clip: what its header says and what the model would read of it, or
+    the reason it is refused."""
+    name = str(source) if not isinstance(source, (bytes, bytearray)) else "upload"
+    try:
+        header = read_video_header(source, max_bytes=config.max_video_bytes, max_seconds=config.max_video_seconds,
+                                   max_pixels=config.max_video_pixels)
+        plan = plan_frames(header, config.video_fps, config.video_max_tokens)
+    except InvalidVideo as exc:
+        return {"file": name, "ok": False, "kind": "video", "error": exc.message}
+    return {"file": name, "ok": True, "kind": "video", "container": header.container, "codec": header.codec,
+            "size": list(header.size), "seconds": round(header.duration_s, 3), "fps": round(header.fps, 3),
+            "frames_sampled": len(plan.frame_times), "frame_size": list(plan.size),
+            "vision_tokens": plan.tokens}
