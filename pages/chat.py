@@ -13,12 +13,13 @@ from ui.engine_resource import get_engine
 from ui.conversation import (PRESETS, SCHEMA_PRESETS, ChatTurn, build_request, images_to_attach, inert_markdown,
                              parsed_json, stats_line, transcript)
 from engine.inputs.documents import Document
+from ui.clips import SAMPLE_CLIP, Clip, clip_preview, clip_strip, is_clip, sample_clip
 from ui.documents import document_of, page_picker, png_thumbnail
 from ui.documents import preview as page_preview
 
 log = logging.getLogger(__name__)
 SAMPLES = Path(__file__).resolve().parent.parent / "samples"
-UPLOAD_TYPES = ["jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff", "pdf"]
+UPLOAD_TYPES = ["jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff", "pdf", "mp4", "m4v", "webm", "mov", "mkv"]
 
 st.title("Chat")
 loaded = get_engine(show_problems=False)
@@ -50,16 +51,18 @@ def enhanced_thumbnail(data: bytes, max_pixels: int, max_bytes: int, budget_pixe
     return png_thumbnail(enhance_for_ocr(picture), 560)
 
 
-def preview(data: bytes | Document) -> bytes | None:
+def preview(data: bytes | Document | Clip) -> bytes | None:
     if isinstance(data, Document):
         return page_preview(data, engine.config)
+    if isinstance(data, Clip):
+        return clip_preview(data, engine.config)
     return thumbnail(data, engine.config.max_image_pixels, engine.config.max_image_bytes)[0]
 
 
 upload_column, sample_column, option_column = st.columns([3, 2, 2])
-uploads = upload_column.file_uploader("Upload images or PDFs", type=UPLOAD_TYPES, accept_multiple_files=True,
-                                      key="image_upload")
-sample_names = ["(none)"] + sorted(p.name for p in SAMPLES.iterdir() if p.suffix in (".png", ".jpg"))
+uploads = upload_column.file_uploader("Upload images, PDFs or video clips", type=UPLOAD_TYPES,
+                                      accept_multiple_files=True, key="image_upload")
+sample_names = ["(none)"] + sorted(p.name for p in SAMPLES.iterdir() if p.suffix in (".png", ".jpg")) + [SAMPLE_CLIP]
 sample = sample_column.selectbox("…or a sample", sample_names, key="sample_image")
 preset = option_column.selectbox("Prompt preset", list(PRESETS), key="prompt_preset")
 enhance = option_column.toggle("Enhance for OCR", key="enhance_ocr",
@@ -77,12 +80,24 @@ if as_json:
 
 if uploads:
     picked = [(upload.name, upload.getvalue()) for upload in uploads]
+elif sample == SAMPLE_CLIP:
+    picked = [(sample, sample_clip())]
 elif sample != "(none)":
     picked = [(sample, (SAMPLES / sample).read_bytes())]
 else:
     picked = []
+video_fps = None
+if any(is_clip(name) or name == SAMPLE_CLIP for name, _ in picked):
+    video_fps = option_column.select_slider("Clip: frames a second", [0.5, 1.0, 2.0, 4.0],
+                                            value=engine.config.video_fps if engine.config.video_fps in
+                                            (0.5, 1.0, 2.0, 4.0) else 2.0, key="video_fps")
 current = []
 for name, data in picked:
+    if is_clip(name) or name == SAMPLE_CLIP:
+        clip = clip_strip(upload_column, name, data, video_fps, engine.config)
+        if clip is not None:
+            current.append((name, clip))
+        continue
     if document_of(data, engine.config.max_image_bytes):
         document = page_picker(upload_column, name, data, engine.config)
         if document is not None:
@@ -171,7 +186,7 @@ def stream_text(handle, status, partial: list, result: dict):
 if prompt:
     finish_stopped_answers()
     attach = images_to_attach(turns, current)
-    request = build_request(turns, prompt, attach, enhance, json_schema)
+    request = build_request(turns, prompt, attach, enhance, json_schema, video_fps)
     user_turn = ChatTurn("user", prompt, attach)
     turns.append(user_turn)
     with st.chat_message("user"):

@@ -71,6 +71,27 @@ def test_enhance_for_ocr_shows_the_enhanced_picture_and_times_its_stage(app_env)
     assert record.status == "ok" and record.stages["ocr_enhance"] > 0
 
 
+def test_a_clip_shows_its_sampled_frames_and_cost_then_is_asked_about(app_env):
+    from ui.clips import SAMPLE_CLIP
+
+    at = start()
+    at.selectbox(key="sample_image").set_value(SAMPLE_CLIP).run()
+    assert not at.exception, [e.value for e in at.exception]
+    cost = next(c.value for c in at.caption if "vision tokens" in c.value and "frames a second" in c.value)
+    assert "6.0 s at 2 frames a second: 12 frames in 6 pairs" in cost
+    captions = [picture.caption for image in at.get("image") for picture in image.proto.imgs]
+    times = [caption for caption in captions if caption.endswith(" s")]
+    # 8 of the 12 frames, spread from the first to the last, each with its time
+    assert len(times) == 8 and "0.0 s" in times and max(float(time[:-2]) for time in times) > 5
+    at.select_slider(key="video_fps").set_value(1.0).run()
+    assert any("at 1 frames a second: 6 frames in 3 pairs" in c.value for c in at.caption)
+    ask(at, "What happens in this clip?")
+    (answer,) = assistant_messages(at)
+    assert "frames decoded in" in answer.caption[0].value
+    record = MetricsStore(app_env).recent(1, include_warmup=False)[0]
+    assert record.status == "ok" and record.stages["frame_decode"] > 0 and record.vision_tokens > 0
+
+
 def test_upload_then_follow_up_refers_to_the_same_image(app_env, images_dir):
     at = start()
     at.file_uploader(key="image_upload").set_value(("rocket.jpg", (images_dir / "rocket.jpg").read_bytes(), "image/jpeg"))

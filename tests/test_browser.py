@@ -232,3 +232,32 @@ def test_stop_finishes_the_answer_on_the_page_at_once(long_answer_server, tmp_pa
         browser.close()
     assert waited < 10
     assert MetricsStore(db).recent(1, include_warmup=False)[0].output_tokens == 600
+
+
+def test_a_clip_is_uploaded_sampled_asked_and_profiled(server, tmp_path):
+    """A clip made here goes through the chat page: its sampled frames show with their times and its cost before
+    the question; the answer carries its cost line; Profiling draws the clip's stages."""
+    if not Path(CHROMIUM).exists():
+        pytest.fail(f"Chromium not found at {CHROMIUM}: install Debian's chromium (see .ci/run)")
+    from playwright.sync_api import expect, sync_playwright
+
+    from bench.scenes import make_clip
+
+    clip = make_clip(tmp_path / "forklift.webm", "webm", seconds=4.0, fps=10)
+    url, db = server
+    with sync_playwright() as playwright:
+        browser, page = open_chat(playwright, expect, url, 1000)
+        page.locator('[data-testid="stFileUploaderDropzoneInput"]').set_input_files(str(clip))
+        expect(page.get_by_text("vision tokens", exact=False).first).to_be_visible(timeout=60_000)
+        expect(page.get_by_text("4.0 s at 2 frames a second: 8 frames in 4 pairs", exact=False)).to_be_visible()
+        expect(page.get_by_text("0.0 s", exact=True)).to_be_visible()
+        ask(page, expect, "When does the square reach the right edge?")
+        assistant = page.get_by_test_id("stChatMessage").nth(1)
+        expect(assistant.get_by_text("frames decoded in", exact=False)).to_be_visible(timeout=120_000)
+        record = MetricsStore(db).recent(1, include_warmup=False)[0]
+        assert record.status == "ok" and record.stages["video_probe"] > 0 and record.stages["frame_decode"] > 0
+        page.get_by_role("link", name="Profiling").click()
+        chart = page.locator(".js-plotly-plot").first
+        expect(chart.get_by_text("frame_decode")).to_be_visible(timeout=30_000)  # the stage's legend entry
+        page.screenshot(path=str(tmp_path / "clip-profiling.png"), full_page=True)
+        browser.close()

@@ -267,3 +267,15 @@ def test_the_api_takes_a_clip_as_vllm_does(tiny_model, tmp_path):
     finally:
         process.terminate()
         process.wait(20)
+
+
+def test_bench_video_times_the_clip_s_stages_per_precision(tiny_model, tmp_path):
+    out = tmp_path / "video.md"
+    run = subprocess.run([sys.executable, "-m", "bench.video", "--model", str(tiny_model), "--dtypes", "float32",
+                          "--seconds", "2", "--size", "96", "--tokens", "2", "--out", str(out)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    (row,) = __import__("json").loads(out.with_suffix(".json").read_text())
+    assert row["vision_tokens"] == 2 * 144 and row["ttft_s"] > 0  # 4 frames: 2 pairs of 384x384, up to 128 tokens or more
+    assert all(row["stages"][stage] > 0 for stage in ("video_probe", "frame_decode", "vision_encode", "prefill"))
+    assert "| float32 | float32 |" in out.read_text()

@@ -8,7 +8,9 @@ from dataclasses import dataclass, field
 
 from engine import ChatRequest, RequestMetrics, Turn
 from engine.inputs.documents import Document
-from engine.records.stages import GRAMMAR, OK, RENDER_PAGES
+from engine.records.stages import FRAME_DECODE, GRAMMAR, OK, RENDER_PAGES
+
+from .clips import Clip
 
 GIB = 1 << 30
 
@@ -45,16 +47,19 @@ SCHEMA_PRESETS = {
 class ChatTurn:
     role: str
     text: str
-    images: list[tuple[str, bytes | Document]] = field(default_factory=list)  # (name, file bytes or a document's pages)
+    # (name, a picture's bytes, a document's pages, or a video Clip): what the turn was about
+    images: list[tuple[str, bytes | Document | Clip]] = field(default_factory=list)
     stats: str | None = None
     error: bool = False
     request_id: str | None = None  # a stopped answer's request: its stats line comes from its record once written
     as_json: bool = False  # asked for as JSON: shown as a JSON tree when it is complete
 
 
-def _identity(data: bytes | Document) -> bytes:
+def _identity(data: bytes | Document | Clip) -> bytes:
     if isinstance(data, Document):
         return hashlib.sha256(data.data).digest() + repr(data.pages).encode()
+    if isinstance(data, Clip):
+        return b"clip" + data.digest
     return hashlib.sha256(data).digest()
 
 
@@ -73,13 +78,17 @@ def images_to_attach(turns: list[ChatTurn], current: list[tuple[str, bytes]]) ->
     return current
 
 
+def _pictures_and_clips(attached) -> tuple[tuple, tuple]:
+    pictures = tuple(data for _, data in attached if not isinstance(data, Clip))
+    return pictures, tuple(data.data for _, data in attached if isinstance(data, Clip))
+
+
 def build_request(turns: list[ChatTurn], prompt: str, images: list[tuple[str, bytes]], enhance_for_ocr: bool,
-                  json_schema: str | None = None) -> ChatRequest:
+                  json_schema: str | None = None, video_fps: float | None = None) -> ChatRequest:
     # Failed turns are left out: the model never answered them.
-    history = tuple(
-        Turn(turn.role, turn.text, tuple(data for _, data in turn.images)) for turn in turns if not turn.error
-    )
-    return ChatRequest(prompt=prompt, images=tuple(data for _, data in images), history=history,
+    history = tuple(Turn(turn.role, turn.text, *_pictures_and_clips(turn.images)) for turn in turns if not turn.error)
+    pictures, clips = _pictures_and_clips(images)
+    return ChatRequest(prompt=prompt, images=pictures, videos=clips, history=history, video_fps=video_fps,
                        enhance_for_ocr=enhance_for_ocr, source="app", json_schema=json_schema)
 
 
@@ -113,6 +122,8 @@ def stats_line(metrics: RequestMetrics) -> str:
         parts.append(f"grammar {metrics.stages[GRAMMAR] * 1000:.0f} ms")
     if RENDER_PAGES in metrics.stages:
         parts.append(f"{len(metrics.document_pages)} pages rendered in {metrics.stages[RENDER_PAGES]:.2f} s")
+    if FRAME_DECODE in metrics.stages:
+        parts.append(f"frames decoded in {metrics.stages[FRAME_DECODE]:.2f} s")
     parts.append(f"peak RSS {metrics.rss_peak_bytes / GIB:.2f} GiB")
     if metrics.status != OK:
         parts.append(metrics.status)
