@@ -279,3 +279,33 @@ def test_bench_video_times_the_clip_s_stages_per_precision(tiny_model, tmp_path)
     assert row["vision_tokens"] == 2 * 144 and row["ttft_s"] > 0  # 4 frames: 2 pairs of 384x384, up to 128 tokens or more
     assert all(row["stages"][stage] > 0 for stage in ("video_probe", "frame_decode", "vision_encode", "prefill"))
     assert "| float32 | float32 |" in out.read_text()
+
+
+def test_a_clip_batches_beside_a_picture_and_cancels_as_one_does(make_engine, images_dir, tmp_path):
+    """A clip's answer decodes in the same steps as a picture's, gives the tokens it gives alone, and a cancelled
+    clip request ends within a step."""
+    from engine import RequestMetrics, TextChunk
+
+    path = make_clip(tmp_path / "clip.mov", "mov", seconds=2.0, fps=10)
+    engine = make_engine()
+    about_clip = ChatRequest("Describe the clip", videos=(str(path),), max_new_tokens=12, ignore_eos=True)
+    alone = engine.ask(about_clip)
+    long_one = engine.submit(ChatRequest("A long story about it", videos=(str(path),), max_new_tokens=5000,
+                                         ignore_eos=True))
+    beside = engine.submit(about_clip)
+    picture = engine.submit(ChatRequest("And this?", images=(images_dir / "chelsea.png",), max_new_tokens=12,
+                                        ignore_eos=True))
+    events = long_one.events()
+    next(event for event in events if isinstance(event, TextChunk))
+
+    def finish(handle):
+        stream = list(handle.events())
+        return "".join(e.text for e in stream if isinstance(e, TextChunk)), stream[-1]
+
+    text, metrics = finish(beside)
+    assert text == alone.text and max(metrics.decode_batch_sizes) >= 2  # it shared steps, and said the same
+    assert finish(picture)[1].status == "ok"
+    cancelled_at = time.perf_counter()
+    long_one.cancel()
+    last = [event for event in events if isinstance(event, RequestMetrics)][0]
+    assert last.status == "cancelled" and time.perf_counter() - cancelled_at < 2.0
