@@ -209,11 +209,11 @@ def decode_frames(header: VideoHeader, plan: VideoPlan) -> LoadedVideo:
             raise InvalidVideo(f"{header.name}: a frame could not be decoded ({type(exc).__name__})") from None
     if all(frame is None for frame in frames):
         raise InvalidVideo(f"{header.name}: no frame could be decoded")
-    # A frame the stream ended before: the nearest decoded one before it (or after, at the start).
-    filled = []
-    for index, frame in enumerate(frames):
-        filled.append(frame if frame is not None else next(
-            (f for f in reversed(frames[:index]) if f is not None), None) or next(f for f in frames if f is not None))
+    # A frame the stream ended before is the last one decoded before it (at the start, the first decoded).
+    filled, previous = [], next(frame for frame in frames if frame is not None)
+    for frame in frames:
+        previous = frame if frame is not None else previous
+        filled.append(previous)
     return LoadedVideo(header.name, tuple(filled), plan, header)
 
 
@@ -224,10 +224,12 @@ def _frames_at(container, stream, times):
     iterator, position = None, -math.inf  # the time of the last frame decoded
     last = None
     for index, target in enumerate(times):
-        if iterator is None or target - position > SEEK_AHEAD_S or target < position:
+        if iterator is None or target - position > SEEK_AHEAD_S:
             container.seek(int(target / base) if base else 0, stream=stream, backward=True, any_frame=False)
             iterator, last = container.decode(stream), None
-        frame = last if last is not None and _time(last, base) >= target - 1e-6 else None
+        # Times rise: a frame already decoded at or after this time is the first one there (a slow clip's frame
+        # serves several times).
+        frame = last if last is not None and position >= target - 1e-6 else None
         while frame is None:
             frame = next(iterator, None)
             if frame is None:
