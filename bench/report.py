@@ -24,13 +24,15 @@ def _ratio(ours: dict, other: dict, key: str) -> float | None:
 
 def markdown_report(document: dict) -> str:
     machine, ceilings = document["machine"], document["ceilings"]
+    set_by = (f" (what {ceilings['memory_read_set_by']} read in decode, above the streaming reads)"
+              if ceilings.get("memory_read_set_by") else "")
     lines = [
         f"# vlscope benchmark ({'quick' if document['quick'] else 'full'}), {document['created']}",
         "",
         f"Model `{document['model']}`{' (synthetic weights: latency and memory are real, answers are not)' if document['synthetic'] else ''}. "
         f"CPU {machine['cpu_model']}, {machine['physical_cores']} cores, ISA {', '.join(machine['isa_flags'])}, "
         f"THP {machine['transparent_hugepages']}, torch {machine['torch_version']}, transformers {machine['transformers_version']}.",
-        f"Ceilings measured in this run: memory read {ceilings['memory_read_gb_per_s']:.1f} GB/s; matmul "
+        f"Ceilings measured in this run: memory read {ceilings['memory_read_gb_per_s']:.1f} GB/s{set_by}; matmul "
         f"float32 {ceilings['matmul_gflops']['float32']:.0f} GFLOP/s, bfloat16 {ceilings['matmul_gflops']['bfloat16']:.0f} GFLOP/s. "
         f"Prompt: \"{document['prompt']}\", greedy; after a warm-up, median of the measured runs (the runs column; p95 in the JSON).",
         "",

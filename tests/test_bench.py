@@ -105,6 +105,18 @@ def test_the_cpu_kind_is_the_isa_level_not_the_flag_set():
     assert cpu_kind(()) == "other"
 
 
+def test_the_read_ceiling_is_at_least_what_a_decode_read():
+    from bench.harness import CaseResult, with_decode_reads
+
+    ceilings = {"memory_read_gb_per_s": 30.0, "matmul_gflops": {}}
+    slow = CaseResult(Case("tuned int8", "precision", dtype="int8"), [{"decode_tokens_per_s": 10.0}], 1.0)
+    fast = CaseResult(Case("tuned int4", "precision", dtype="int4"), [{"decode_tokens_per_s": 40.0}], 1.0)
+    facts = {"int8": (1.7e9, 1), "int4": (1.0e9, 1)}
+    assert with_decode_reads(ceilings, [slow], facts) == ceilings  # 17 GB/s: under the streaming reads
+    raised = with_decode_reads(ceilings, [slow, fast], facts)
+    assert raised["memory_read_gb_per_s"] == pytest.approx(40.0) and raised["memory_read_set_by"] == "tuned int4"
+
+
 def test_docs_bench_holds_one_record_per_cpu_kind():
     """docs/bench/ is a record per CPU kind, each in the folder its machine's ISA level names: not a notebook of runs."""
     folders = [path for path in (ROOT / "docs" / "bench").iterdir()]
