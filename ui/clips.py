@@ -10,7 +10,7 @@ from pathlib import Path
 import streamlit as st
 
 from engine import EngineConfig, InvalidVideo
-from engine.inputs.video import VIDEO_SUFFIXES, decode_frames, plan_frames, read_video_header
+from engine.inputs.video import VIDEO_SUFFIXES, decode_frames, plan_frames, read_clip_header
 
 from .documents import png_thumbnail
 
@@ -38,8 +38,7 @@ def _strip(data: bytes, name: str, fps: float, config: EngineConfig) -> tuple[li
     """The frames a question at `fps` reads, as (PNG thumbnail, time) pairs spread over the clip, and a line of what
     they cost; or the reason the clip is refused."""
     try:
-        header = read_video_header(data, max_bytes=config.max_video_bytes, max_seconds=config.max_video_seconds,
-                                   max_pixels=config.max_video_pixels, name=name)
+        header = read_clip_header(data, config, name)
         plan = plan_frames(header, fps, config.video_max_tokens)
         clip = decode_frames(header, plan)
     except InvalidVideo as exc:

@@ -17,17 +17,16 @@ import numpy as np
 from PIL import Image
 
 from ..config import PIXELS_PER_VISION_TOKEN
-from ..errors import InvalidVideo
+from ..errors import InvalidImage, InvalidVideo
 from .images import MAX_ASPECT_RATIO
 from .limits import MERGED_PATCH, fit_to_budget, read_source
 
-# What a file's name says is a clip (check-images; the API and the app read the content type too).
+# What a file's name says is a clip (check-images and the chat page; the API is told by the part's type).
 VIDEO_SUFFIXES = (".mp4", ".m4v", ".webm", ".mov", ".mkv", ".avi")
 
 FRAMES_PER_PATCH = 2  # the vision tower's temporal patch: two frames, one set of tokens
 MIN_FRAMES, MAX_FRAMES = 4, 768
 MIN_TOKENS_PER_PATCH, MAX_TOKENS_PER_PATCH = 128, 768
-DEFAULT_FPS = 2.0
 # Seek again when the next sampled frame is further ahead than this; nearer ones are decoded on the way.
 SEEK_AHEAD_S = 2.0
 
@@ -103,8 +102,8 @@ def read_video_header(source, *, max_bytes: int, max_seconds: float, max_pixels:
     Raises InvalidVideo with a reason meant for users, naming the clip."""
     try:
         data, image, source_name = read_source(source, max_bytes)
-    except Exception as exc:  # read_source speaks of images: say the same of a clip
-        raise InvalidVideo(str(getattr(exc, "message", exc)).replace("image", "video")) from None
+    except InvalidImage as exc:  # read_source speaks of images: say the same of a clip
+        raise InvalidVideo(exc.message.replace("image", "video")) from None
     if image is not None:
         raise InvalidVideo("a picture was handed in as a video: send it as an image")
     name = name or source_name
@@ -246,6 +245,12 @@ def _time(frame, base) -> float:
     return float(frame.pts * base) if frame.pts is not None and base else float(frame.time or 0.0)
 
 
+def read_clip_header(source, config, name: str | None = None) -> VideoHeader:
+    """read_video_header within the configured limits: what a request, check-images and the chat page all check."""
+    return read_video_header(source, max_bytes=config.max_video_bytes, max_seconds=config.max_video_seconds,
+                             max_pixels=config.max_video_pixels, name=name)
+
+
 def request_videos(request) -> list:
     """Every clip of a conversation, earlier turns first."""
     return [source for turn in request.history for source in turn.videos] + list(request.videos)
@@ -266,8 +271,7 @@ def plan_request_videos(request, config) -> list[tuple[VideoHeader, VideoPlan]]:
         raise InvalidVideo(f"max_frames must be {MIN_FRAMES} or more (frames go in pairs), not {max_frames}")
     planned = []
     for source in sources:
-        header = read_video_header(source, max_bytes=config.max_video_bytes, max_seconds=config.max_video_seconds,
-                                   max_pixels=config.max_video_pixels)
+        header = read_clip_header(source, config)
         planned.append((header, plan_frames(header, fps, config.video_max_tokens, max_frames)))
     return planned
 
@@ -277,8 +281,7 @@ def check_video(source, config) -> dict:
     the reason it is refused."""
     name = str(source) if not isinstance(source, (bytes, bytearray)) else "upload"
     try:
-        header = read_video_header(source, max_bytes=config.max_video_bytes, max_seconds=config.max_video_seconds,
-                                   max_pixels=config.max_video_pixels)
+        header = read_clip_header(source, config)
         plan = plan_frames(header, config.video_fps, config.video_max_tokens)
     except InvalidVideo as exc:
         return {"file": name, "ok": False, "kind": "video", "error": exc.message}
