@@ -16,5 +16,12 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
 
 
+def error_response(error: ApiError):
+    """The error as the JSON response a client gets, with Retry-After when there is one."""
+    from starlette.responses import JSONResponse
+    headers = {"Retry-After": str(error.retry_after)} if error.retry_after else None
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
 def unsupported(param: str, message: str) -> ApiError:
     return ApiError(400, message, code="unsupported_parameter", param=param)

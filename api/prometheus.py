@@ -27,6 +27,7 @@ class Counters:
         self.buckets = {series: [0] * len(BUCKETS) for series in SERIES}
         self.sums = dict.fromkeys(SERIES, 0.0)
         self.counts = dict.fromkeys(SERIES, 0)
+        self.decode_rate = 0.0  # the newest finished request's decode tokens a second
         self.lock = threading.Lock()
 
     def fold(self, store: MetricsStore) -> None:
@@ -39,6 +40,8 @@ class Counters:
     def _add(self, record: RequestMetrics) -> None:
         key = (record.status, record.source)
         self.requests[key] = self.requests.get(key, 0) + 1
+        if record.decode_tokens_per_s:
+            self.decode_rate = record.decode_tokens_per_s
         for series in SERIES:
             value = record.ttft_s if series == "ttft" else record.e2e_s if series == "e2e" else record.stages.get(series)
             if value is None:
@@ -76,6 +79,9 @@ def render(store: MetricsStore, queue_depth: int, weight_bytes: int, ready: bool
     lines += [
         "# HELP vlscope_rss_bytes Resident memory of the server process.", "# TYPE vlscope_rss_bytes gauge",
         f"vlscope_rss_bytes {current_rss()}",
+        "# HELP vlscope_decode_tokens_per_second Decode rate of the newest request that decoded.",
+        "# TYPE vlscope_decode_tokens_per_second gauge",
+        f"vlscope_decode_tokens_per_second {counters.decode_rate:.3f}",
         "# HELP vlscope_queue_depth Requests waiting or running.", "# TYPE vlscope_queue_depth gauge",
         f"vlscope_queue_depth {queue_depth}",
         "# HELP vlscope_batch_active Sequences decoding together now.", "# TYPE vlscope_batch_active gauge",

@@ -27,7 +27,7 @@ from . import prometheus, refusals
 from .guard import API_PREFIXES, authorized
 from .image_fetch import ImageFetcher
 from .tool_calls import ToolCallParser, split_calls
-from .errors import ApiError
+from .errors import ApiError, error_response
 from .openai_format import (chunk, completion, finish_reason, logprobs_content, model_entry, public_metrics,
                             served_model_name, stream_settings, to_chat_request, usage)
 
@@ -44,11 +44,6 @@ async def lifespan(app):
     threading.Thread(target=ensure_loaded, name="vlscope-load", daemon=True).start()
     yield
     shutdown()
-
-
-def error_response(error: ApiError) -> JSONResponse:
-    headers = {"Retry-After": str(error.retry_after)} if error.retry_after else None
-    return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
 async def refuse(error: ApiError, path: str = "") -> JSONResponse:
@@ -382,29 +377,37 @@ async def method_not_allowed(request: Request) -> Response:
                                    code="method_not_allowed"))
 
 
-async def health(request: Request) -> Response:
-    """Liveness for anyone; with API keys set, the details (model, queue, load error) only for a valid key."""
+def health_state() -> tuple[int, dict]:
+    """The server's health: its status code and the full body (the model, queue, load error)."""
     slot = engine_slot()
-    details = authorized(request.headers, server_settings().api_keys)
     if slot.ready:
         engine = slot.loaded.engine
-        body = {"status": "ready", "model": served_name(engine), "synthetic": engine.info.synthetic,
-                "dtype": engine.info.dtype, "queue_depth": engine.queue_depth}
-        return JSONResponse(body if details else {"status": "ready"})
+        return 200, {"status": "ready", "model": served_name(engine), "synthetic": engine.info.synthetic,
+                     "dtype": engine.info.dtype, "queue_depth": engine.queue_depth}
     if slot.error is not None:
-        body = {"status": "error", "error": slot.error, "queue_depth": 0}
-        return JSONResponse(body if details else {"status": "error"}, status_code=503)
+        return 503, {"status": "error", "error": slot.error, "queue_depth": 0}
     _start_loading()
-    return JSONResponse({"status": "loading", "queue_depth": 0} if details else {"status": "loading"},
-                        status_code=503)
+    return 503, {"status": "loading", "queue_depth": 0}
+
+
+async def health(request: Request) -> Response:
+    """Liveness for anyone; with API keys set, the details (model, queue, load error) only for a valid key."""
+    status, body = health_state()
+    details = authorized(request.headers, server_settings().api_keys)
+    return JSONResponse(body if details else {"status": body["status"]}, status_code=status)
+
+
+def metrics_text() -> str:
+    """This process's metrics in Prometheus' text format (blocking: it reads the records written since the last)."""
+    slot = engine_slot()
+    engine = slot.loaded.engine if slot.ready else None
+    return prometheus.render(
+        get_store(), engine.queue_depth if engine else 0, engine.info.weight_bytes if engine else 0, engine is not None,
+        engine.active_sequences if engine else 0, engine.batch_limit() if engine else 0, refusals.tally.counts())
 
 
 async def metrics(request: Request) -> Response:
-    slot = engine_slot()
-    engine = slot.loaded.engine if slot.ready else None
-    text = await anyio.to_thread.run_sync(lambda: prometheus.render(
-        get_store(), engine.queue_depth if engine else 0, engine.info.weight_bytes if engine else 0, engine is not None,
-        engine.active_sequences if engine else 0, engine.batch_limit() if engine else 0, refusals.tally.counts()))
+    text = await anyio.to_thread.run_sync(metrics_text)
     return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
 

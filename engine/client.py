@@ -202,6 +202,11 @@ class Engine(StreamingMixin):
         return self.loaded.tokenizer.decode([token])
 
     @property
+    def alive(self) -> bool:
+        """Whether the engine loop still runs (a replica's health check asks)."""
+        return self._loop.is_alive()
+
+    @property
     def queue_depth(self) -> int:
         return self._scheduler.depth
 

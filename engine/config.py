@@ -244,9 +244,20 @@ def load_settings(env: Mapping[str, str] | None = None, secrets: Mapping | None 
 
 def setting_names() -> list[str]:
     """Every setting's environment variable name, in the order the classes declare them."""
-    return [f"VLSCOPE_{field.name.upper()}" for cls in (EngineConfig, ServerSettings)
-            for field in dataclasses.fields(cls)]
+    return [variable(field.name) for cls in (EngineConfig, ServerSettings) for field in dataclasses.fields(cls)]
 
+
+def variable(name: str) -> str:
+    """The environment variable of the setting `name` (a field of EngineConfig or ServerSettings)."""
+    return f"VLSCOPE_{name.upper()}"
+
+
+def settings_in_environment(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The settings variables set in `env` (default os.environ), aliases included: what another process of the same
+    server (a cluster's replica) must be given to serve alike."""
+    env = os.environ if env is None else env
+    names = set(setting_names()) | set(ENV_ALIASES.values())
+    return {name: value for name, value in env.items() if name in names}
 
 
 

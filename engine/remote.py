@@ -77,6 +77,15 @@ class RemoteEngine(StreamingMixin):
     def token_text(self, token: int) -> str:
         raise GenerationFailed("a remote backend's token ids cannot be read here")
 
+    def server_metrics(self) -> str | None:
+        """The server's /metrics text (a vlscope cluster's labels each replica), or None where it has none."""
+        origin = self.base_url.removesuffix("/v1")
+        try:
+            response = self._client.get(f"{origin}/metrics", timeout=5.0)
+        except httpx.HTTPError:
+            return None
+        return response.text if response.status_code == 200 else None
+
     def _headers(self) -> dict:
         return {"Authorization": f"Bearer {self.config.remote_api_key}"} if self.config.remote_api_key else {}
 

@@ -6,10 +6,12 @@ import streamlit as st
 
 from engine import DTYPES, STATUSES, stage_percentiles, to_csv
 from engine.records.stages import REFUSED
+from engine.remote import RemoteEngine
 from engine.kernels.system import ISA_FLAGS, system_report
 from ui.charts import (concurrency_chart, label, latency_over_time, records_frame, rss_chart, server_stages, stage_bars,
                        token_latency_chart)
 from server.slot import engine_slot, get_store
+from ui.replicas import render_replicas
 
 MAX_ROWS_READ = 2_000  # rows one refresh reads
 WINDOWS = {"last 15 minutes": 15 * 60, "last hour": 3600, "last 24 hours": 86400, "all": None}
@@ -36,6 +38,9 @@ def read_ceiling() -> float | None:
 
 @st.fragment(run_every=2 if live else None)
 def live_view() -> None:
+    loaded = engine_slot().loaded
+    if loaded is not None and isinstance(loaded.engine, RemoteEngine):
+        render_replicas(loaded.engine.server_metrics())
     store = get_store()
     seconds = WINDOWS[window]
     # The newest rows only: a refresh every 2 s costs the same at a million stored records as at a thousand.

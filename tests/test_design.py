@@ -14,7 +14,7 @@ from server.slot import shutdown
 
 from .conftest import ROOT
 
-ABOVE_ENGINE = {"ui", "api", "bench", "pages", "app", "streamlit_app", "streamlit"}
+ABOVE_ENGINE = {"ui", "api", "bench", "pages", "app", "streamlit_app", "streamlit", "scale"}
 
 
 def _python_files(*folders: str):
@@ -51,6 +51,12 @@ def test_the_api_and_the_shared_server_state_do_not_import_the_ui():
     for path in _python_files("server"):
         drawn = set(re.findall(r"\bst\.(\w+)", path.read_text())) - {"secrets", "get_option", "App"}
         assert not drawn, f"{path.relative_to(ROOT)} draws with st.{drawn}"
+
+
+def test_only_the_scale_out_imports_ray_and_nothing_imports_the_scale_out():
+    """Ray is optional (requirements-scale.txt): the app, the API and the engine run without it."""
+    for path in _python_files("", "engine", "api", "server", "ui", "pages", "bench"):
+        assert not _imports(path) & {"ray", "scale"}, f"{path.relative_to(ROOT)} imports Ray or the scale-out"
 
 
 def _reads_vlscope_variable(node: ast.AST) -> bool:
