@@ -54,7 +54,7 @@ class Replica:
     replica's engine and server; the model loads in the constructor, so Ray routes to a replica only once it is
     loaded, and its health check fails whenever the engine is not ready."""
 
-    def __init__(self, settings: dict[str, str], front_name: str):
+    async def __init__(self, settings: dict[str, str], front_name: str):
         from pathlib import Path
 
         from engine.config import load_settings, variable
@@ -72,10 +72,10 @@ class Replica:
         self.app_name = context.app_name
         self.front_name = front_name
         self.started = time.time()
-        if ensure_loaded() is None:
+        if await asyncio.to_thread(ensure_loaded) is None:
             raise RuntimeError(f"the model did not load: {engine_slot().error}")
         self.app = api_app()
-        self.reporter = asyncio.get_event_loop().create_task(self._report_forever())
+        self.reporter = asyncio.create_task(self._report_forever())
         log.info("replica %s ready (pid %d)", self.id, os.getpid())
 
     async def check_health(self) -> None:

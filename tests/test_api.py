@@ -43,8 +43,19 @@ def start_server(tiny_model, db, log_path, **env_overrides):
 
 @pytest.fixture
 def server(tiny_model, tmp_path):
+    """A server of this test's own, for a test that counts every record and metric."""
     process, url = start_server(tiny_model, tmp_path / "api.db", tmp_path / "server.log")
     yield url, tmp_path / "api.db"
+    process.terminate()
+    process.wait(20)
+
+
+@pytest.fixture(scope="module")
+def shared_server(tiny_model, tmp_path_factory):
+    """One server for the tests that read only their own requests' records (a start costs about 8 s)."""
+    folder = tmp_path_factory.mktemp("api")
+    process, url = start_server(tiny_model, folder / "api.db", folder / "server.log")
+    yield url, folder / "api.db"
     process.terminate()
     process.wait(20)
 
@@ -104,11 +115,11 @@ def test_non_streaming_and_streaming_answers(server, images_dir):
         shutdown()
 
 
-def test_openai_client_conventions(server, images_dir):
+def test_openai_client_conventions(shared_server, images_dir):
     """What OpenAI's clients rely on: usage in a final chunk of its own when asked, `developer` as system, the served
     model's id (not a path) that retrieve() finds, JSON 404/405 for unknown routes and methods, and refusals that
     name the parameter instead of ignoring it."""
-    url, _ = server
+    url, _ = shared_server
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
     [entry] = client.models.list().data
     assert "/" not in entry.id and entry.owned_by == "vlscope" and entry.created > 0
@@ -145,8 +156,8 @@ def test_openai_client_conventions(server, images_dir):
         assert response.status_code == status and "error" in response.json(), (method, path, response.text[:200])
 
 
-def test_stop_seed_logprobs_penalties_and_bias_through_the_openai_client(server):
-    url, _ = server
+def test_stop_seed_logprobs_penalties_and_bias_through_the_openai_client(shared_server):
+    url, _ = shared_server
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
     model = client.models.list().data[0].id
     base = dict(model=model, messages=[{"role": "user", "content": "Tell me about it"}], max_tokens=10,
@@ -180,8 +191,8 @@ def test_stop_seed_logprobs_penalties_and_bias_through_the_openai_client(server)
         assert caught.value.body["param"] == param
 
 
-def test_bad_inputs_get_openai_errors(server, images_dir):
-    url, _ = server
+def test_bad_inputs_get_openai_errors(shared_server, images_dir):
+    url, _ = shared_server
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
     text_as_image = "data:image/png;base64," + base64.b64encode(b"plain text, no picture").decode()
     cases = [
@@ -240,8 +251,9 @@ def test_api_keys_body_limit_and_busy_queue(tiny_model, images_dir, tmp_path):
         process.wait(20)
 
 
-def test_concurrent_clients_share_decode_steps_and_disconnect_frees_the_queue(server):
-    url, db = server
+def test_concurrent_clients_share_decode_steps_and_disconnect_frees_the_queue(shared_server):
+    url, db = shared_server
+    began = time.time()
     # a client that leaves mid-stream: its generation is cancelled and the queue moves on
     with httpx.Client(timeout=60).stream("POST", f"{url}/v1/chat/completions",
                                          json={"messages": [{"role": "user", "content": "long"}], "max_tokens": 5000, "ignore_eos": True,
@@ -263,7 +275,7 @@ def test_concurrent_clients_share_decode_steps_and_disconnect_frees_the_queue(se
     for thread in threads:
         thread.join(120)
     assert len(results) == 4 and time.perf_counter() - started < 60
-    records = sorted(MetricsStore(db).recent(20, include_warmup=False), key=lambda r: r.submitted_at)
+    records = sorted(MetricsStore(db).between(began, include_warmup=False), key=lambda r: r.submitted_at)
     left = [r for r in records if r.max_new_tokens == 5000]
     assert left and left[0].status == "cancelled" and left[0].output_tokens < 5000
     served = sorted([r for r in records if r.max_new_tokens == 6], key=lambda r: r.started_at)
@@ -273,8 +285,8 @@ def test_concurrent_clients_share_decode_steps_and_disconnect_frees_the_queue(se
     assert max(size for r in served for size in r.decode_batch_sizes) >= 2
 
 
-def test_control_tokens_in_a_message_get_400_not_500(server):
-    url, db = server
+def test_control_tokens_in_a_message_get_400_not_500(shared_server):
+    url, db = shared_server
     response = httpx.post(f"{url}/v1/chat/completions", timeout=60,
                           json={"messages": [{"role": "user", "content": "look <|image_pad|> here"}], "max_tokens": 2})
     assert response.status_code == 400, response.text
@@ -283,7 +295,7 @@ def test_control_tokens_in_a_message_get_400_not_500(server):
     assert "<|image_pad|>" in error["message"]
 
 
-def test_structured_answers_and_tool_calls_through_the_openai_sdk(server):
+def test_structured_answers_and_tool_calls_through_the_openai_sdk(shared_server):
     """chat.completions.parse with a Pydantic model, a streamed named call the SDK assembles, a required call and the
     follow-up turn that answers it; schema faults are 400s naming the field, recorded by kind."""
     from typing import Literal
@@ -291,7 +303,7 @@ def test_structured_answers_and_tool_calls_through_the_openai_sdk(server):
     import jsonschema
     from pydantic import BaseModel, Field
 
-    url, db = server
+    url, db = shared_server
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
     model = client.models.list().data[0].id
 

@@ -16,10 +16,11 @@ import httpx
 import psutil
 import pytest
 
+from bench.scale import start_cluster, stop_cluster
 from scale.conversation import SESSION_HEADER, conversation_key
 from scale.metrics import cluster_metrics
 
-from .conftest import ROOT, free_port
+from .conftest import ROOT
 
 ray = pytest.importorskip("ray", reason="the optional requirements (requirements-scale.txt) are not installed")
 KEY = "cluster-test-key"
@@ -64,34 +65,12 @@ def test_the_command_refuses_flags_that_do_not_fit():
 @pytest.fixture(scope="module")
 def cluster(tiny_model, tmp_path_factory):
     folder = tmp_path_factory.mktemp("cluster")
-    port = free_port()
-    env = dict(os.environ, VLSCOPE_MODEL=str(tiny_model), VLSCOPE_DB=str(folder / "vlscope.db"),
-               VLSCOPE_WARMUP="off", VLSCOPE_COMPILE="off", VLSCOPE_API_KEYS=KEY, VLSCOPE_MAX_BATCH="1",
-               VLSCOPE_MAX_QUEUE="0", VLSCOPE_MAX_NEW_TOKENS="6000", VLSCOPE_API_ALLOW_IGNORE_EOS="true")
-    log = open(folder / "scale.log", "w")
-    process = subprocess.Popen([sys.executable, "-m", "scale", "--replicas", "2", "--threads", "1", "--port",
-                                str(port)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 240
-    while time.time() < deadline:
-        assert process.poll() is None, (folder / "scale.log").read_text()[-3000:]
-        try:
-            health = httpx.get(f"{url}/health", headers=AUTH, timeout=5)
-            if health.status_code == 200 and len(health.json()["replicas"]) == 2:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    else:
-        process.kill()
-        pytest.fail("the cluster did not start: " + (folder / "scale.log").read_text()[-3000:])
+    env = dict(VLSCOPE_MODEL=str(tiny_model), VLSCOPE_DB=str(folder / "vlscope.db"), VLSCOPE_WARMUP="off",
+               VLSCOPE_COMPILE="off", VLSCOPE_API_KEYS=KEY, VLSCOPE_MAX_BATCH="1", VLSCOPE_MAX_QUEUE="0",
+               VLSCOPE_MAX_NEW_TOKENS="6000", VLSCOPE_API_ALLOW_IGNORE_EOS="true")
+    process, url = start_cluster(2, 1, env, folder / "scale.log", KEY, timeout_s=240)
     yield url, process, folder
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(60)
-    except subprocess.TimeoutExpired:
-        process.kill()
-    log.close()
+    stop_cluster(process)
 
 
 def ask(url: str, messages, max_tokens: int = 4, headers: dict | None = None, **body) -> httpx.Response:
