@@ -110,6 +110,23 @@ def conversation(base: str, picture: str, max_tokens: int) -> tuple[float, float
     return first, follow_up
 
 
+def round_trip_s(base: str, text: str) -> float:
+    """Seconds for a one-token answer to a short text: the path's own cost, next to no model work."""
+    began = time.perf_counter()
+    httpx.post(f"{base}/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": text}], "max_tokens": 1, "temperature": 0}).raise_for_status()
+    return time.perf_counter() - began
+
+
+def path_overhead(targets: dict[str, str], rounds: int = 20) -> dict:
+    """Median round trip of each path over `rounds` alternating one-token requests, in milliseconds."""
+    times = {name: [] for name in targets}
+    for number in range(rounds):
+        for name in (list(targets) if number % 2 == 0 else list(targets)[::-1]):
+            times[name].append(round_trip_s(targets[name], f"Say one word, {number}."))
+    return {f"{name}_ms": 1000 * statistics.median(values) for name, values in times.items()}
+
+
 def markdown(result: dict) -> str:
     rows = ["| round | order | direct first TTFT s | cluster first TTFT s | ratio | direct follow-up TTFT s | "
             "cluster follow-up TTFT s | ratio |", "|---|---|---|---|---|---|---|---|"]
@@ -121,6 +138,10 @@ def markdown(result: dict) -> str:
     rows.append(f"| median | | {medians['direct_first']:.3f} | {medians['cluster_first']:.3f} | "
                 f"{medians['first_ratio']:.3f} | {medians['direct_follow_up']:.3f} | "
                 f"{medians['cluster_follow_up']:.3f} | {medians['follow_up_ratio']:.3f} |")
+    overhead = result["round_trip"]
+    rows += ["", f"One-token answers to a short text, 20 alternating: direct {overhead['direct_ms']:.1f} ms, cluster "
+                 f"{overhead['cluster_ms']:.1f} ms (medians): the proxy and the front add "
+                 f"{overhead['cluster_ms'] - overhead['direct_ms']:.1f} ms."]
     rows += ["", "| layout | clients | wall s | TTFT p50 s | TTFT max s | tokens/s | errors |",
              "|---|---|---|---|---|---|---|"]
     for layout in result["layouts"]:
@@ -162,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
                                               args.max_tokens)
                 result["rounds"].append(item)
                 print(item, file=sys.stderr, flush=True)
+            result["round_trip"] = path_overhead(targets)
             result["memory"].append({"layout": f"1 x {args.threads} threads"} | cluster_memory(cluster))
             layout = burst(f"{url}/v1", served_model(f"{url}/v1"), args.clients, args.max_tokens, images)
             result["layouts"].append({"layout": f"1 replica x {args.threads} threads"} | _summary(layout))
