@@ -117,7 +117,7 @@ class Front:
     async def _forward(self, scope, body: bytes, send) -> None:
         headers = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in scope["headers"]}
         key = conversation_key(headers, body) if scope["method"] == "POST" else None
-        sent = {key: scope[key] for key in SCOPE_KEYS if key in scope} | {"root_path": ""}
+        sent = {name: scope[name] for name in SCOPE_KEYS if name in scope} | {"root_path": ""}
         for attempt in range(TRIES):
             started, streaming = False, False
             answer = self.replicas.options(stream=True).forward.remote(sent, body, conversation=key)
