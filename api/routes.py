@@ -24,6 +24,7 @@ from engine.records.trace import refusal_record
 from server.slot import engine_slot, ensure_loaded, get_store, server_settings, shutdown
 
 from . import prometheus, refusals
+from .body import body_limit
 from .guard import API_PREFIXES, authorized
 from .image_fetch import ImageFetcher
 from .tool_calls import ToolCallParser, split_calls
@@ -104,14 +105,8 @@ def _engine_error(exc: VlscopeError) -> ApiError:
     return error
 
 
-def body_limit(max_image_bytes: int) -> int:
-    """The body an allowed request can need: one image at the byte limit, base64-encoded, and 1 MiB for the rest
-    (no text over the prompt limit's characters gets that far)."""
-    return max_image_bytes * 4 // 3 + 4 + (1 << 20)
-
-
 async def _read_json(request: Request) -> dict:
-    limit = server_settings().api_max_body_bytes or body_limit(engine_slot().config.max_image_bytes)
+    limit = body_limit(server_settings(), engine_slot().config)
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"the request body is over the {limit // 1_000_000} MB limit", code="body_too_large")

@@ -14,6 +14,7 @@ from ray.serve.exceptions import BackPressureError
 from starlette.datastructures import Headers
 from starlette.responses import JSONResponse, PlainTextResponse
 
+from api.body import body_limit
 from api.errors import ApiError, error_response
 from api.guard import ServerGuard, authorized
 from engine.config import load_settings
@@ -94,9 +95,8 @@ class Front:
         return JSONResponse(body, status_code=200 if ready else 503)
 
     async def _body(self, scope, receive) -> bytes:
-        """The whole body, bounded as a replica bounds it (which checks it again, exactly)."""
-        config = self.engine
-        limit = self.server.api_max_body_bytes or max(config.max_image_bytes, config.max_video_bytes) * 4 // 3 + (2 << 20)
+        """The whole body, bounded as a replica bounds it (which checks it again)."""
+        limit = body_limit(self.server, self.engine)
         body = bytearray()
         with anyio.move_on_after(self.server.api_body_seconds) as deadline:
             more = True
