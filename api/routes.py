@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from engine import (Busy, ChatRequest, InsufficientMemory, InvalidImage, InvalidPrompt, InvalidSchema, InvalidVideo,
+from engine import (Busy, Cancelled, ChatRequest, InsufficientMemory, InvalidImage, InvalidPrompt, InvalidSchema, InvalidVideo,
                     PromptTooLong, RequestHandle, RequestMetrics, ServingEngine, StageStarted, TextChunk, VlscopeError)
 from engine.inputs.limits import max_messages
 from engine.records.stages import PREFILL, VISION_ENCODE
@@ -95,6 +95,8 @@ def _engine() -> ServingEngine:
 def _engine_error(exc: VlscopeError) -> ApiError:
     if isinstance(exc, Busy):
         error = ApiError(429, exc.message, "rate_limit_error", "busy", retry_after=5)
+    elif isinstance(exc, Cancelled):  # the client went away: nobody reads this
+        error = ApiError(499, exc.message, code=exc.kind)
     elif isinstance(exc, (InvalidImage, InvalidVideo, InvalidPrompt, InvalidSchema, PromptTooLong)):
         error = ApiError(400, exc.message, "invalid_request_error", exc.kind, param=getattr(exc, "about", None))
     elif isinstance(exc, InsufficientMemory):
@@ -215,7 +217,7 @@ class ChatCall:
 async def chat_completions(request: Request) -> Response:
     try:
         call = await _parse(request)
-        handle = await _submit(call)
+        handle = await _submit(call, request)
         return await (_emit_stream if call.stream else _emit_completion)(call, handle, request)
     except ApiError as error:
         return await refuse(error)
@@ -235,11 +237,25 @@ async def _parse(request: Request) -> ChatCall:
     return ChatCall(engine, chat, model, stream, include_usage, _token_text(engine, chat))
 
 
-async def _submit(call: ChatCall) -> RequestHandle:
-    try:
-        return await anyio.to_thread.run_sync(call.engine.submit, call.chat)
-    except VlscopeError as exc:
-        raise _engine_error(exc) from None
+async def _submit(call: ChatCall, request: Request) -> RequestHandle:
+    """The request taken in off the event loop; a client that goes away meanwhile (a clip's frames are decoded
+    there) cancels it."""
+    cancelled = threading.Event()
+
+    async def watch() -> None:
+        while not await request.is_disconnected():
+            await anyio.sleep(POLL_S)
+        cancelled.set()
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(watch)
+        try:
+            return await anyio.to_thread.run_sync(call.engine.submit, call.chat, cancelled)
+        except VlscopeError as exc:
+            error = _engine_error(exc)
+        finally:
+            tasks.cancel_scope.cancel()
+    raise error
 
 
 async def _emit_stream(call: ChatCall, handle: RequestHandle, request: Request) -> Response:

@@ -3,6 +3,7 @@ from .client import Answer, Engine, RequestHandle
 from .config import DEFAULT_MODEL, DTYPES, SKELETON_DIR, EngineConfig
 from .errors import (
                      Busy,
+                     Cancelled,
                      GenerationFailed,
                      InsufficientMemory,
                      InvalidImage,
@@ -21,7 +22,7 @@ from .request import ChatRequest, Queued, StageStarted, TextChunk, Tool, ToolCal
 from .serving import ServingEngine
 
 __all__ = [
-    "Answer", "Busy", "ChatRequest", "DEFAULT_MODEL", "DTYPES", "Engine", "EngineConfig", "EngineInfo",
+    "Answer", "Busy", "Cancelled", "ChatRequest", "DEFAULT_MODEL", "DTYPES", "Engine", "EngineConfig", "EngineInfo",
     "GenerationFailed", "InsufficientMemory", "InvalidImage", "InvalidPrompt", "InvalidSchema", "InvalidVideo", "MetricsStore", "ModelUnavailable",
     "PromptTooLong", "Queued", "RequestHandle", "RequestMetrics", "SKELETON_DIR", "ServingEngine", "STAGES", "STATUSES",
     "StageStarted", "TextChunk", "Tool", "ToolCall", "Turn", "VlscopeError", "open_store", "stage_percentiles", "to_csv",

@@ -20,12 +20,12 @@ from PIL import Image
 from .config import EngineConfig
 from .core import compute
 from .core.request_state import RequestState
-from .errors import (Busy, GenerationFailed, InvalidImage, InvalidPrompt, InvalidSchema, InvalidVideo, PromptTooLong,
-                     VlscopeError)
+from .errors import (Busy, Cancelled, GenerationFailed, InvalidImage, InvalidPrompt, InvalidSchema, InvalidVideo,
+                     PromptTooLong, VlscopeError)
 from .inputs.documents import expand_documents
 from .inputs.images import load_request_images
 from .inputs.limits import check_size, check_text, control_tokens
-from .inputs.video import decode_frames, plan_request_videos, request_videos
+from .inputs.video import decode_budget, decode_frames, plan_request_videos, request_videos
 from .records.info import EngineInfo
 from .records.metrics import RequestMetrics
 from .records.stages import CANCELLED, FRAME_DECODE, GRAMMAR, REFUSED, VIDEO_PROBE
@@ -93,6 +93,7 @@ def take_in(state: RequestState, config: EngineConfig, admit: Callable[[], None]
                 state.grammar = constrain(state.request, config)
         planned = []
         if request_videos(state.request):  # clips are checked from their headers before any image is decoded
+            admit()  # and a full server opens none
             with trace.stage(VIDEO_PROBE, announce=False):
                 planned = plan_request_videos(state.request, config)
         with trace.loading_images() as clock:
@@ -101,9 +102,13 @@ def take_in(state: RequestState, config: EngineConfig, admit: Callable[[], None]
             state.images = load_request_images(state.request, config, admit=admit, clock=clock)
         if planned:
             with trace.stage(FRAME_DECODE, announce=False):
-                state.videos = [decode_frames(header, plan) for header, plan in planned]
+                state.videos = [decode_frames(header, plan, **decode_budget(config), cancelled=state.cancelled.is_set)
+                                for header, plan in planned]
     except (InvalidImage, InvalidVideo, InvalidPrompt, InvalidSchema, PromptTooLong, Busy) as exc:
         trace.finish(REFUSED, exc)
+        raise
+    except Cancelled as exc:
+        trace.finish(CANCELLED, exc)
         raise
 
 
@@ -165,7 +170,7 @@ class Engine(StreamingMixin):
         self._control_tokens = control_tokens(self.loaded.tokenizer)
         self._grammars = GrammarCompiler(self.loaded.tokenizer, self.loaded.vocab_size, self.loaded.eos_token_ids)
         if self.config.warmup:  # a serving engine: built beside the warm-up, so no first structured answer waits
-            threading.Thread(target=lambda: self._grammars.tokenizer, name="vlscope-grammar-tables",
+            threading.Thread(target=self._grammars.warm_up, name="vlscope-grammar-tables",
                              daemon=True).start()
         self._loop = threading.Thread(target=self._run_loop, name="vlscope-engine-loop", daemon=True)
         self._loop.start()
@@ -223,10 +228,11 @@ class Engine(StreamingMixin):
     def batch_limit(self) -> int:
         return self._core.batch_limit()
 
-    def submit(self, request: ChatRequest) -> RequestHandle:
+    def submit(self, request: ChatRequest, cancelled: threading.Event | None = None) -> RequestHandle:
         """Validate the text and images and queue the request. Raises InvalidPrompt, InvalidImage or Busy (their
-        metrics are recorded)."""
-        state = RequestState(request, self.info, self.config, self.store)
+        metrics are recorded). `cancelled`, set from another thread, stops it even before this returns (a clip's
+        frames are decoded here): Cancelled."""
+        state = RequestState(request, self.info, self.config, self.store, cancelled)
         take_in(state, self.config, self._scheduler.check_room, self._control_tokens, self._grammars.for_request)
         state.on_cancel = self._on_cancel
         try:
@@ -250,6 +256,7 @@ class Engine(StreamingMixin):
             return exc.metrics
 
     def close(self) -> None:
+        self._grammars.close()
         self._scheduler.close()
         if threading.current_thread() is not self._loop:
             self._loop.join(30.0)  # nothing keeps the engine (and its weights) alive after

@@ -88,6 +88,10 @@ class EngineConfig:
     max_video_seconds: float = 3600.0
     max_video_pixels: int = 3840 * 2160 * 2  # a frame's stored size: 4K with room for taller formats
     max_videos: int = 2  # clips in one request, its history included
+    # The decoding one clip may cost, in megapixels decoded and in seconds (a clip whose keyframes are too sparse,
+    # or whose frames are too slow to decode, is refused when it passes either).
+    max_video_decode_megapixels: float = 12_000.0
+    max_video_decode_seconds: float = 10.0
     video_fps: float = 2.0
     video_max_tokens: int = 2048
     # Structured answers (response_format, tools): checked and compiled at submit, refused with a 400 over these.
@@ -96,6 +100,7 @@ class EngineConfig:
     max_tools: int = 128
     grammar_compile_seconds: float = 2.0  # a schema whose grammar takes longer to build is refused as too complex
     grammar_cache_entries: int = 64  # compiled grammars kept, by schema
+    grammar_cache_bytes: int = 256 * 1024 * 1024  # and the memory they may hold together, as built
     # Memory a request may use beyond the weights; 0: whatever the machine has available when it starts.
     memory_limit_bytes: int = 0
     # A remote OpenAI-compatible server instead of a local model (e.g. http://host:8000/v1): vLLM, llama.cpp,

@@ -58,5 +58,11 @@ class ModelUnavailable(VlscopeError):
     kind = "model_unavailable"
 
 
+class Cancelled(VlscopeError):
+    """Its caller cancelled the request before it was queued (while a clip's frames were decoded, say)."""
+
+    kind = "cancelled"
+
+
 class GenerationFailed(VlscopeError):
     kind = "internal"

@@ -101,10 +101,10 @@ class RemoteEngine(StreamingMixin):
     def batch_limit(self) -> int:
         return self.config.max_queue + 1
 
-    def submit(self, request: ChatRequest) -> RequestHandle:
+    def submit(self, request: ChatRequest, cancelled: threading.Event | None = None) -> RequestHandle:
         if request_videos(request):
             raise InvalidVideo("video clips are read by a local model only: this server fronts a remote one")
-        state = RequestState(request, self.info, self.config, self.store)
+        state = RequestState(request, self.info, self.config, self.store, cancelled)
         take_in(state, self.config, self._check_room, constrain=_constrain)
         try:
             with self._lock:

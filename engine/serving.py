@@ -2,6 +2,7 @@
 ask which they hold."""
 from __future__ import annotations
 
+import threading
 from typing import Iterator, Protocol
 
 from .config import EngineConfig
@@ -24,7 +25,7 @@ class ServingEngine(Protocol):
 
     def batch_limit(self) -> int: ...
 
-    def submit(self, request: ChatRequest) -> RequestHandle: ...
+    def submit(self, request: ChatRequest, cancelled: threading.Event | None = None) -> RequestHandle: ...
 
     def stream(self, request: ChatRequest) -> Iterator[Event]: ...
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import streamlit as st
 
 from engine import EngineConfig, InvalidVideo
-from engine.inputs.video import VIDEO_SUFFIXES, decode_frames, plan_frames, read_clip_header
+from engine.inputs.video import VIDEO_SUFFIXES, decode_budget, decode_frames, plan_frames, read_clip_header
 
 from .documents import png_thumbnail
 
@@ -40,7 +40,7 @@ def _strip(data: bytes, name: str, fps: float, config: EngineConfig) -> tuple[li
     try:
         header = read_clip_header(data, config, name)
         plan = plan_frames(header, fps, config.video_max_tokens)
-        clip = decode_frames(header, plan)
+        clip = decode_frames(header, plan, **decode_budget(config))
     except InvalidVideo as exc:
         return exc.message
     spread = sorted({round(index * (len(clip.frames) - 1) / max(1, STRIP_FRAMES - 1))

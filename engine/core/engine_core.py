@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from ..config import EngineConfig
-from ..errors import GenerationFailed
+from ..errors import GenerationFailed, InvalidSchema, VlscopeError
 from ..kernels.memory_read import memory_read_gb_per_s
 from ..model import decode_backend
 from ..model.generate import decode_batch, decode_one_token, detach_step
@@ -113,7 +113,7 @@ class EngineCore:
         cancelled or failed), each with its record."""
         ended = [state for state in states if state.cancelled.is_set()]
         live = [state for state in states if state not in ended]
-        errors: dict[RequestState, GenerationFailed] = {}
+        errors: dict[RequestState, VlscopeError] = {}
         if live:
             started = time.perf_counter()
             grammars = [state.decoding.sampler.grammar for state in live if state.decoding.sampler.grammar is not None]
@@ -139,7 +139,7 @@ class EngineCore:
                 decoding.rss[1] = max(decoding.rss[1], rss)
                 try:
                     decoding.token = decoding.sampler(logits[row:row + 1])
-                except GenerationFailed as exc:  # its grammar refused every token: its answer ends, not the batch
+                except (GenerationFailed, InvalidSchema) as exc:  # its grammar gave out: its answer ends, not the batch
                     log.error("request %s: %s", state.id, exc)
                     errors[state] = exc
                     ended.append(state)

@@ -32,7 +32,7 @@ class RequestState:
     """A request on its way through the engine. The caller's thread writes it until it is queued; after that the
     engine core alone, on the compute thread. `events` and `cancel()` are for any thread."""
 
-    def __init__(self, request: ChatRequest, info, config, store):
+    def __init__(self, request: ChatRequest, info, config, store, cancelled: threading.Event | None = None):
         self.id = uuid.uuid4().hex
         self.request = request
         self.submitted_at = time.time()
@@ -41,7 +41,7 @@ class RequestState:
         self.images: list = []  # LoadedImage, in conversation order, once intake has read them
         self.videos: list = []  # LoadedVideo, in conversation order, once intake has decoded their frames
         self.events: queue.Queue = queue.Queue()
-        self.cancelled = threading.Event()
+        self.cancelled = cancelled if cancelled is not None else threading.Event()
         self.finished = threading.Event()  # its final record is posted: it no longer counts as running
         self.status = WAITING
         self.grammar = None  # structured.compiler.CompiledGrammar its answer must follow, set at submit

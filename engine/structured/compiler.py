@@ -1,12 +1,13 @@
 """A request's response format or forced tool calls to a compiled grammar (llguidance), checked against the limits
-and compiled at submit, on the caller's thread, so a bad schema is a refusal before the request queues. Compiled
-grammars are kept by schema; each sequence matches with its own copy (structured/matcher.py)."""
+and compiled at submit, so a bad schema is a refusal before the request queues: tried first in a worker process
+that is killed past the time limit (compile_check.py), then built on the caller's thread. Compiled grammars and
+refusals are kept by schema, within a count and a byte bound; each sequence matches with its own copy
+(structured/matcher.py)."""
 from __future__ import annotations
 
 import json
 import re
 import threading
-import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -16,6 +17,7 @@ from llguidance import LLMatcher
 
 from ..errors import InvalidSchema
 from ..request import ChatRequest, Tool
+from .compile_check import TOOK_TOO_LONG, GrammarTrials
 
 # One space after ':' and ',' and none elsewhere: the style the model writes JSON in (and its tool calls), with no
 # runs of whitespace for weak weights to wander into.
@@ -31,6 +33,27 @@ class CompiledGrammar:
 
     matcher: LLMatcher
     what: str  # "json_schema" or "tool_calls"
+    bytes: int = 0  # what building it took in memory, as its trial measured
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A schema refused, as the cache keeps it: its words only (an exception would keep its traceback, and with it
+    whatever the failed build held)."""
+
+    message: str
+    kind: str
+    about: str
+
+    bytes = 0
+
+    def error(self) -> InvalidSchema:
+        return InvalidSchema(self.message, self.kind, self.about)
+
+
+def subject(what: str) -> str:
+    """The part of a request a grammar comes from, as a refusal names it."""
+    return "the response format's schema" if what == "json_schema" else "a tool's parameters schema"
 
 
 def _depth(value) -> int:
@@ -60,6 +83,8 @@ def check_schema(text: str, what: str, max_depth: int) -> dict:
                             "schema_too_complex")
     try:
         jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
+    except RecursionError:  # a pattern of hundreds of nested groups: Python's own regex parser recurses per group
+        raise InvalidSchema(f"{what} has a pattern nested too deeply to read", "schema_too_complex") from None
     except jsonschema.SchemaError as exc:
         where = "/".join(str(part) for part in exc.path)
         raise InvalidSchema(f"{what} is not a valid JSON Schema: {exc.message[:300]}"
@@ -92,8 +117,9 @@ class GrammarCompiler:
     def __init__(self, tokenizer, vocab_size: int, eos_ids: tuple[int, ...]):
         self._hf_tokenizer, self._vocab_size, self._eos_ids = tokenizer, vocab_size, eos_ids
         self._tokenizer: llguidance.LLTokenizer | None = None
+        self._trials: GrammarTrials | None = None
         self._lock = threading.Lock()
-        self._cache: OrderedDict[tuple, CompiledGrammar | InvalidSchema] = OrderedDict()
+        self._cache: OrderedDict[tuple, CompiledGrammar | Refusal] = OrderedDict()
         vocab = tokenizer.get_vocab()
         self._tool_ids = (vocab.get(TOOL_CALL_OPEN), vocab.get(TOOL_CALL_CLOSE))
 
@@ -104,6 +130,24 @@ class GrammarCompiler:
                 self._tokenizer = llguidance.LLTokenizer(self._hf_tokenizer.backend_tokenizer.to_str(),
                                                          n_vocab=self._vocab_size, eos_token=list(self._eos_ids))
             return self._tokenizer
+
+    @property
+    def trials(self) -> GrammarTrials:
+        """The worker process every new grammar is tried in first (started on first use)."""
+        with self._lock:
+            if self._trials is None:
+                self._trials = GrammarTrials(self._hf_tokenizer.backend_tokenizer.to_str(), self._vocab_size,
+                                             self._eos_ids, LIMITS)
+            return self._trials
+
+    def warm_up(self) -> None:
+        """The tokenizer's tables and the trial worker, made before the first structured answer needs them."""
+        self.tokenizer
+        self.trials.start()
+
+    def close(self) -> None:
+        if self._trials is not None:
+            self._trials.close()
 
     def for_request(self, request: ChatRequest, config) -> CompiledGrammar | None:
         """The grammar the request's answer must follow (None: free text), from the cache or compiled now.
@@ -135,15 +179,24 @@ class GrammarCompiler:
             try:
                 found = self._compile(key, config)
             except InvalidSchema as exc:
-                exc.about = "response_format" if key[0] == "json_schema" else "tools"
-                found = exc
-            with self._lock:
-                self._cache[key] = found
-                while len(self._cache) > config.grammar_cache_entries:
-                    self._cache.popitem(last=False)
-        if isinstance(found, InvalidSchema):
-            raise InvalidSchema(found.message, found.kind, found.about)
+                found = Refusal(exc.message, exc.kind, "response_format" if key[0] == "json_schema" else "tools")
+            self._keep(key, found, config)
+        if isinstance(found, Refusal):
+            raise found.error()
         return found
+
+    def _keep(self, key: tuple, found: CompiledGrammar | Refusal, config) -> None:
+        """Into the cache, the oldest out past its entries or its bytes (a grammar's, as its trial measured)."""
+        with self._lock:
+            self._cache[key] = found
+            while len(self._cache) > 1 and (len(self._cache) > config.grammar_cache_entries or
+                                            sum(item.bytes for item in self._cache.values()) > config.grammar_cache_bytes):
+                self._cache.popitem(last=False)
+
+    @property
+    def cached_bytes(self) -> int:
+        with self._lock:
+            return sum(item.bytes for item in self._cache.values())
 
     def _compile(self, key: tuple, config) -> CompiledGrammar:
         if key[0] == "json_schema":
@@ -165,20 +218,21 @@ class GrammarCompiler:
         return self._build(grammar, key[0], config.grammar_compile_seconds)
 
     def _build(self, grammar: str, what: str, limit_s: float) -> CompiledGrammar:
-        tokenizer = self.tokenizer
-        started = time.perf_counter()
-        matcher = LLMatcher(tokenizer, grammar, log_level=0,
+        """The grammar tried in the worker first, killed there past the time limit; built here only once it is
+        known to build in time and within bounds."""
+        trial = self.trials.trial(grammar, limit_s)
+        if trial.error == TOOK_TOO_LONG or trial.seconds > limit_s:
+            raise InvalidSchema(f"{subject(what)} takes over {limit_s:g} s to build into a grammar (the limit, "
+                                "VLSCOPE_GRAMMAR_COMPILE_SECONDS): simplify it", "schema_too_complex")
+        if trial.error is not None:
+            raise _refusal(trial.error, what)
+        matcher = LLMatcher(self.tokenizer, grammar, log_level=0,
                             limits=llguidance.LLParserLimits(**LIMITS, verbose_errors=False))
         if not matcher.is_error():
-            matcher.compute_bitmask()  # the lexer is built on the first mask: count it in the compile
-        seconds = time.perf_counter() - started
+            matcher.compute_bitmask()  # the lexer is built on the first mask: built here, not at the first token
         if matcher.is_error():
             raise _refusal(matcher.get_error(), what)
-        if seconds > limit_s:
-            raise InvalidSchema(f"the {what.replace('_', ' ')} grammar took {seconds:.1f} s to build, over the "
-                                f"{limit_s:g} s allowed (VLSCOPE_GRAMMAR_COMPILE_SECONDS): simplify the schema",
-                                "schema_too_complex")
-        return CompiledGrammar(matcher, what)
+        return CompiledGrammar(matcher, what, trial.bytes)
 
 
 def check_tools(tools: tuple[Tool, ...], config) -> None:
@@ -202,23 +256,23 @@ UNIMPLEMENTED = re.compile(r"Unimplemented keys: \[([^\]]*)\]")
 
 def _refusal(error: str, what: str) -> InvalidSchema:
     """llguidance's error as a refusal that says what the client can change."""
-    subject = "the response format's schema" if what == "json_schema" else "a tool's parameters schema"
+    subject_ = subject(what)
     unimplemented = UNIMPLEMENTED.search(error)
     if unimplemented:
         keys = unimplemented.group(1).replace('"', "")
-        return InvalidSchema(f"{subject} uses {keys}, which this server does not enforce: remove it, or the answer "
+        return InvalidSchema(f"{subject_} uses {keys}, which this server does not enforce: remove it, or the answer "
                              "could break it", "unsupported_schema")
     if "oneOf constraints are not supported" in error:
-        return InvalidSchema(f"{subject} uses oneOf, which this server enforces only where its branches cannot "
+        return InvalidSchema(f"{subject_} uses oneOf, which this server enforces only where its branches cannot "
                              "overlap: use anyOf", "unsupported_schema")
     unknown_format = re.search(r"Unknown format: (\S+)", error)
     if unknown_format:
-        return InvalidSchema(f"{subject} uses format {unknown_format.group(1)!r}, which this server does not enforce",
+        return InvalidSchema(f"{subject_} uses format {unknown_format.group(1)!r}, which this server does not enforce",
                              "unsupported_schema")
     if "does not exist" in error or "$ref" in error or "not present in a registry" in error:
-        return InvalidSchema(f"{subject} has a $ref that does not resolve: {error.splitlines()[0][:300]}",
+        return InvalidSchema(f"{subject_} has a $ref that does not resolve: {error.splitlines()[0][:300]}",
                              "invalid_schema")
     if any(word in error.lower() for word in ("limit", "fuel", "too many", "too large", "too complex")):
-        return InvalidSchema(f"{subject} is too complex to enforce: {error.splitlines()[0][:300]}",
+        return InvalidSchema(f"{subject_} is too complex to enforce: {error.splitlines()[0][:300]}",
                              "schema_too_complex")
-    return InvalidSchema(f"{subject} cannot be enforced: {error.splitlines()[0][:300]}", "invalid_schema")
+    return InvalidSchema(f"{subject_} cannot be enforced: {error.splitlines()[0][:300]}", "invalid_schema")

@@ -9,8 +9,8 @@ import weakref
 import numpy as np
 import torch
 
-from ..errors import GenerationFailed
-from .compiler import CompiledGrammar
+from ..errors import InvalidSchema
+from .compiler import CompiledGrammar, subject
 
 _live: weakref.WeakSet = weakref.WeakSet()
 
@@ -30,6 +30,7 @@ def fill_masks(grammars: list[GrammarMatcher]) -> None:
 class GrammarMatcher:
     def __init__(self, compiled: CompiledGrammar, vocab_size: int, eos_ids: tuple[int, ...] = ()):
         self.matcher = compiled.matcher.deep_copy()
+        self.what = compiled.what
         self.eos_ids = frozenset(eos_ids)
         self._bits = np.zeros((vocab_size + 31) // 32, dtype=np.int32)
         self._ready = False  # the bits hold the mask of the tokens allowed next
@@ -59,7 +60,11 @@ class GrammarMatcher:
         started = time.perf_counter()
         if not self._ready:
             self.matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
+        if self.matcher.is_error():
+            raise self._failed()
         words = np.flatnonzero(self._bits)
+        if not len(words):
+            raise self._failed()
         if len(words) <= len(self._bits) // 8:
             bits = np.unpackbits(self._bits[words].view(np.uint8), bitorder="little").reshape(len(words), 32)
             rows, columns = np.nonzero(bits)
@@ -76,9 +81,17 @@ class GrammarMatcher:
     def accept(self, token: int) -> None:
         started = time.perf_counter()
         if not self.matcher.consume_token(token):
-            raise GenerationFailed(f"token {token} left the answer's grammar: {self.matcher.get_error()[:200]}")
+            raise self._failed()
         self._ready = False
         self.seconds += time.perf_counter() - started
+
+    def _failed(self) -> InvalidSchema:
+        """The grammar gave out while the answer was written (llguidance's limits on a step): the answer ends there,
+        refused as a schema too complex to hold an answer to, naming the part of the request at fault."""
+        error = self.matcher.get_error().splitlines()[0][:200] if self.matcher.is_error() else "no token is allowed"
+        return InvalidSchema(f"{subject(self.what)} could not be held while the answer was written ({error}): "
+                             "simplify it", "schema_too_complex",
+                             "response_format" if self.what == "json_schema" else "tools")
 
     @property
     def done(self) -> bool:
