@@ -1,6 +1,6 @@
 """Connections that never become requests: a client that sends half a header and waits, or opens hundreds of
-connections from one address, holds sockets that no ASGI middleware ever sees, since uvicorn's HTTP protocol has no
-header timeout. So its h11 protocol is extended here: a connection whose request headers are not complete within
+connections from one address, holds sockets that no ASGI middleware ever sees, since uvicorn's HTTP protocols have
+no header timeout. So they are extended here, h11's and httptools' (which uvicorn picks where it is installed): a connection whose request headers are not complete within
 `api_header_seconds` of opening (or of its last response) is closed, and an address may hold at most
 `api_max_connections_per_address` HTTP connections at once (websockets, once upgraded, are the app's sessions)."""
 from __future__ import annotations
@@ -18,19 +18,33 @@ _installed = False
 
 
 def guard_connections(settings: Callable) -> None:
-    """Extend uvicorn's h11 protocol (once per process) with the header deadline and the per-address cap, read from
-    `settings()` (the ServerSettings in force) as each connection opens. uvicorn is told to use h11 for "auto", so
-    the guarded protocol serves whether or not httptools is installed."""
+    """Extend uvicorn's HTTP protocols, h11's and httptools' alike (once per process, whichever the server picked
+    or picks), with the header deadline and the per-address cap, read from `settings()` (the ServerSettings in
+    force) as each connection opens."""
     global _installed
     if _installed:
         return
     import h11
-    from uvicorn import config as uvicorn_config
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
-    uvicorn_config.HTTP_PROTOCOLS["auto"] = uvicorn_config.HTTP_PROTOCOLS["h11"]
-    made, lost, received = H11Protocol.connection_made, H11Protocol.connection_lost, H11Protocol.data_received
-    completed, upgrade = H11Protocol.on_response_complete, H11Protocol.handle_websocket_upgrade
+    # h11 has read a request's headers once its peer is no longer idle; httptools says so in a callback.
+    _extend(H11Protocol, settings, after_data=lambda protocol: protocol.conn.their_state is not h11.IDLE)
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    except ImportError:  # httptools is not installed: uvicorn runs h11
+        pass
+    else:
+        _extend(HttpToolsProtocol, settings, headers_complete="on_headers_complete")
+    _installed = True
+
+
+def _extend(protocol_class, settings: Callable, after_data: Callable | None = None,
+            headers_complete: str | None = None) -> None:
+    """The deadline and the cap on one protocol class. The headers are complete when `after_data(protocol)` says
+    so after data arrives, or when the class's `headers_complete` method is called."""
+    made, lost, received = (protocol_class.connection_made, protocol_class.connection_lost,
+                            protocol_class.data_received)
+    completed, upgrade = protocol_class.on_response_complete, protocol_class.handle_websocket_upgrade
 
     def arm(protocol) -> None:
         disarm(protocol)
@@ -71,7 +85,7 @@ def guard_connections(settings: Callable) -> None:
 
     def data_received(self, data: bytes) -> None:
         received(self, data)
-        if self.conn.their_state is not h11.IDLE:  # this request's headers are complete
+        if after_data is not None and after_data(self):
             disarm(self)
 
     def on_response_complete(self) -> None:
@@ -79,22 +93,29 @@ def guard_connections(settings: Callable) -> None:
         if not self.transport.is_closing():
             arm(self)  # the next request's headers get the same deadline
 
-    def handle_websocket_upgrade(self, event) -> None:
+    def handle_websocket_upgrade(self, *event) -> None:
         disarm(self)
         release(self)  # a websocket is an app session from here on, not an HTTP connection
-        upgrade(self, event)
+        upgrade(self, *event)
 
     def connection_lost(self, exc) -> None:
         disarm(self)
         release(self)
         lost(self, exc)
 
-    H11Protocol.connection_made = connection_made
-    H11Protocol.data_received = data_received
-    H11Protocol.on_response_complete = on_response_complete
-    H11Protocol.handle_websocket_upgrade = handle_websocket_upgrade
-    H11Protocol.connection_lost = connection_lost
-    _installed = True
+    protocol_class.connection_made = connection_made
+    protocol_class.data_received = data_received
+    protocol_class.on_response_complete = on_response_complete
+    protocol_class.handle_websocket_upgrade = handle_websocket_upgrade
+    protocol_class.connection_lost = connection_lost
+    if headers_complete is not None:
+        original = getattr(protocol_class, headers_complete)
+
+        def on_headers(self) -> None:
+            disarm(self)
+            original(self)
+
+        setattr(protocol_class, headers_complete, on_headers)
 
 
 def _header_timeout(protocol) -> None:

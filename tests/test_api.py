@@ -19,14 +19,24 @@ from engine import MetricsStore
 from .conftest import ROOT, free_port
 
 
-def start_server(tiny_model, db, log_path, **env_overrides):
+# How a server is started: uvicorn (its HTTP protocol picked as by default: httptools where installed), uvicorn on
+# h11, or the README's `streamlit run`.
+COMMANDS = {
+    "uvicorn": ["-m", "uvicorn", "streamlit_app:app", "--host", "127.0.0.1", "--port", "{port}"],
+    "uvicorn-h11": ["-m", "uvicorn", "streamlit_app:app", "--http", "h11", "--host", "127.0.0.1", "--port", "{port}"],
+    "streamlit": ["-m", "streamlit", "run", "streamlit_app.py", "--server.address", "127.0.0.1", "--server.port",
+                  "{port}", "--server.headless", "true"],
+}
+
+
+def start_server(tiny_model, db, log_path, command: str = "uvicorn", **env_overrides):
     port = free_port()
     # Long answers (5,000 tokens, end tokens ignored) keep the worker busy in the queue and cancellation tests.
     env = dict(os.environ, VLSCOPE_MODEL=str(tiny_model), VLSCOPE_DB=str(db), VLSCOPE_MAX_NEW_TOKENS="5000",
                VLSCOPE_API_ALLOW_IGNORE_EOS="on")
     env.update(env_overrides)
     log = open(log_path, "w")
-    process = subprocess.Popen([sys.executable, "-m", "uvicorn", "streamlit_app:app", "--host", "127.0.0.1", "--port", str(port)],
+    process = subprocess.Popen([sys.executable] + [part.format(port=port) for part in COMMANDS[command]],
                                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120

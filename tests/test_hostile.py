@@ -176,10 +176,13 @@ def test_a_body_sent_a_byte_at_a_time_is_cut_off(tiny_model, tmp_path):
         process.wait(20)
 
 
-def test_half_a_header_and_a_pile_of_connections_are_cut_off(tiny_model, tmp_path):
+@pytest.mark.parametrize("command", ["streamlit", "uvicorn", "uvicorn-h11"])
+def test_half_a_header_and_a_pile_of_connections_are_cut_off(tiny_model, tmp_path, command):
+    """Under the README's `streamlit run` and under uvicorn, on whichever HTTP protocol each runs (httptools, which
+    the scale-out's requirements install, or h11)."""
     import socket
 
-    process, url = start_server(tiny_model, tmp_path / "api.db", tmp_path / "server.log",
+    process, url = start_server(tiny_model, tmp_path / "api.db", tmp_path / "server.log", command,
                                 VLSCOPE_API_HEADER_SECONDS="3", VLSCOPE_API_MAX_CONNECTIONS_PER_ADDRESS="6")
     host, port = url.removeprefix("http://").split(":")
 
