@@ -219,3 +219,28 @@ def test_half_a_header_and_a_pile_of_connections_are_cut_off(tiny_model, tmp_pat
     finally:
         process.terminate()
         process.wait(20)
+
+
+def test_a_16_bit_grey_scan_is_reduced_as_it_decodes_for_enhance_for_ocr(make_engine):
+    import io
+    import os
+
+    import numpy as np
+    from PIL import Image
+
+    from .test_hostile_clips import MB, PeakMemory
+
+    pixels = np.full((7999, 7999), 40000, np.uint16)
+    pixels[::50, :] = 1000  # lines of text, as dark as 16 bits go
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, "PNG")
+    del pixels
+    engine = make_engine()
+    with PeakMemory(os.getpid()) as memory:
+        started = time.perf_counter()
+        answer = engine.ask(ChatRequest(prompt="Read", images=(buffer.getvalue(),), enhance_for_ocr=True,
+                                        max_new_tokens=2))
+        seconds = time.perf_counter() - started
+    # decoded at full size and widened to RGB, it took 5 s and 1.7 GB
+    assert seconds < 4 and memory.growth < 700 * MB, (seconds, memory.growth / MB)
+    assert answer.metrics.stages["ocr_enhance"] > 0

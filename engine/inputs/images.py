@@ -108,14 +108,24 @@ def decode(header: ImageHeader, budget_pixels: int | None = None, clock: RenderC
                 image = image.convert("L" if image.mode == "1" else "RGBA")
             factor = int(math.sqrt(image.width * image.height / budget_pixels) / 2)  # after any draft
             if factor > 1:
-                try:
-                    image = image.reduce(factor)
-                except ValueError:  # a mode reduce() does not take (16-bit greys): decoded at full size
-                    pass
+                image = _reduced(image, factor)
         image = ImageOps.exif_transpose(image)
         rgb = to_rgb(image)
     digest = hashlib.sha256(header.data if header.data is not None else rgb.tobytes()).hexdigest()
     return LoadedImage(image=rgb, original_size=header.size, format=header.format, sha256=digest)
+
+
+def _reduced(image: Image.Image, factor: int) -> Image.Image:
+    """The image `factor` times smaller on each side, each pixel the mean of its block (Image.reduce), 16-bit greys
+    too (which reduce() does not take): averaged by OpenCV in 16 bits, so no wider full-size copy is made."""
+    if not image.mode.startswith("I;16"):
+        return image.reduce(factor)
+    import cv2
+
+    pixels = np.asarray(image).astype(np.uint16, copy=False)  # big-endian 16-bit greys to this machine's order
+    size = (image.width // factor, image.height // factor)
+    return Image.fromarray(cv2.resize(pixels[:size[1] * factor, :size[0] * factor], size,
+                                      interpolation=cv2.INTER_AREA))
 
 
 @contextmanager
