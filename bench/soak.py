@@ -6,13 +6,15 @@ every request answered or refused cleanly, memory flat after warm-up, exactly on
 
 `--hostile` adds what a careless or hostile client sends (compressed image bombs, JSON nested 100,000 deep, NaN,
 strings for booleans, wrong content types, foreign origins and hosts, URLs into the server's network, bodies over
-the limit, missing and non-ASCII keys) and checks more: no 5xx, /health under 100 ms throughout, RSS back within
+the limit, missing and non-ASCII keys; clips and schemas made to cost memory and minutes: bench/hostile_clips.py,
+bench/hostile_schemas.py) and checks more: no 5xx, /health under 100 ms throughout, RSS back within
 200 MB, a record for every refusal too.
 """
 from __future__ import annotations
 
 import argparse
 import base64
+import functools
 import io
 import json
 import multiprocessing
@@ -37,7 +39,9 @@ from engine.config import PROJECT_DIR, EngineConfig
 from engine.environment import chromium_binary
 from engine.records.store import MetricsStore
 
+from . import hostile_clips, hostile_schemas
 from .hostile_backend import serve as serve_hostile_backend
+from .scenes import make_clip
 
 LONG = 400  # tokens of the requests a client cancels or abandons: the server's answer length cap too
 # How long a non-streaming client waits before it gives up. The tiny model answers LONG tokens in 1.3-1.6 s alone;
@@ -49,7 +53,14 @@ HOSTILE = ("bomb", "deep_json", "bad_json", "nan", "string_bool", "stream_option
            "evil_host", "private_url", "huge_max_tokens", "oversized", "no_key", "non_ascii_key", "tools",
            # the second hostile set
            "huge_prompt", "wide_json", "many_images", "long_model", "control_tokens", "ui_foreign_host",
-           "slow_body", "half_header", "hostile_backend")
+           "slow_body", "half_header", "hostile_backend",
+           # the third hostile set: clips and schemas
+           "picture_clip", "many_streams", "growing_frames", "deep_frames", "long_gif", "one_keyframe",
+           "deep_pattern", "required_self", "repeated_repeats", "pattern_properties", "late_explosion")
+# What each of the third set's clips and schemas ends in: 400, or 200 for a clip within every limit, answered.
+THIRD_SET = {"picture_clip": "400", "many_streams": "400", "growing_frames": "400", "deep_frames": "200",
+             "long_gif": "200", "one_keyframe": "200", "deep_pattern": "400", "required_self": "400",
+             "repeated_repeats": "400", "pattern_properties": "400", "late_explosion": "400"}
 SLOW_S = 2  # a hostile run's header and body deadlines: a slow client is cut off within seconds
 GIF_1X1 = "data:image/gif;base64,R0lGODlhAQABAIAAAAAAAP///yH5BAEAAAAALAAAAAABAAEAAAIBRAA7"
 KEY = "soak-key"  # the API key of a hostile run's server
@@ -143,10 +154,61 @@ def _slow(url: str, kind: str) -> str:
     return answer.split(b" ", 2)[1].decode() if answer.startswith(b"HTTP/") else "closed"
 
 
+CLIPS = ("picture_clip", "many_streams", "growing_frames", "deep_frames", "long_gif", "one_keyframe")
+
+
+@functools.cache
+def _clip_url(kind: str) -> str:
+    """The third set's clips, made once a run, sized to a hostile run's 4 MB body."""
+    made = {"picture_clip": lambda: hostile_clips.picture_as_clip((8000, 8000)),
+            "many_streams": lambda: hostile_clips.many_streams(50, (1280, 720)),
+            "growing_frames": lambda: hostile_clips.growing_frames((64, 64), (4400, 4400), 3),
+            "deep_frames": lambda: hostile_clips.deep_frames((4072, 4072), 8, fps=2),
+            "long_gif": lambda: hostile_clips.long_gif(20_000),
+            "one_keyframe": lambda: hostile_clips.one_keyframe(1200, 1, (1280, 720))}[kind]()
+    return "data:video/mp4;base64," + base64.b64encode(made).decode()
+
+
+def _warm(client: httpx.Client, base: str, kind: str) -> None:
+    """A good clip, or a good structured answer: the paths the third set takes, loaded before the memory baseline."""
+    if kind == "clip":
+        with tempfile.TemporaryDirectory() as folder:
+            # as many frames as the hostile clips within the limits give the model: their steady state, not growth
+            clip = make_clip(Path(folder) / "warm.mp4", seconds=20.0, fps=2, size=(640, 480)).read_bytes()
+        content = [{"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + base64.b64encode(clip).decode()}},
+                   {"type": "text", "text": "What happens?"}]
+        body = {"max_tokens": 2, "messages": [{"role": "user", "content": content}]}
+    else:
+        body = {"max_tokens": 8, "messages": [{"role": "user", "content": "Answer."}], "response_format": {
+            "type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object", "properties": {
+                "n": {"type": "integer"}}}}}}
+    client.post(f"{base}/v1/chat/completions", json=body, timeout=120)
+
+
+def _schema(kind: str) -> dict:
+    return {"deep_pattern": hostile_schemas.deep_pattern, "required_self": hostile_schemas.required_self,
+            "repeated_repeats": hostile_schemas.repeated_repeats,
+            "pattern_properties": hostile_schemas.many_pattern_properties,
+            "late_explosion": hostile_schemas.late_explosion}[kind]()
+
+
+def _third_set(client: httpx.Client, url: str, kind: str) -> str:
+    """One clip or schema of the third hostile set; returns the status code the server answered with."""
+    if kind in CLIPS:
+        body = {"max_tokens": 2, "messages": [{"role": "user", "content": [
+            {"type": "video_url", "video_url": {"url": _clip_url(kind)}}, {"type": "text", "text": "What happens?"}]}]}
+    else:
+        body = {"max_tokens": 16, "messages": [{"role": "user", "content": "Answer."}], "response_format": {
+            "type": "json_schema", "json_schema": {"name": "answer", "schema": _schema(kind)}}}
+    return str(client.post(url, json=body, timeout=60).status_code)
+
+
 def _hostile(client: httpx.Client, url: str, kind: str) -> str:
     """One hostile request; returns the status code the server answered with."""
     if kind in ("slow_body", "half_header"):
         return _slow(url, kind)
+    if kind in THIRD_SET:
+        return _third_set(client, url, kind)
     hi = [{"role": "user", "content": "hi"}]
     json_headers = {"Content-Type": "application/json"}
     if kind == "ui_foreign_host":  # the app's page, as a DNS-rebinding page would reach it
@@ -396,6 +458,12 @@ def soak(model: str, requests: int, clients: int, seconds: float, workdir: Path,
         # batch's buffers are part of the steady state.
         warmers = [threading.Thread(target=_one, args=(httpx.Client(headers=keyed), base, "good", random.Random(seed)))
                    for seed in range(3)]
+        if hostile:  # a clip and a structured answer too: PyAV's libraries and the grammar worker load at first use
+            warmers += [threading.Thread(target=_warm, args=(httpx.Client(headers=keyed), base, kind))
+                        for kind in ("clip", "schema")]
+            for kind in THIRD_SET:  # made now, so no client pauses to make one mid-run
+                if kind in CLIPS:
+                    _clip_url(kind)
         for warmer in warmers:
             warmer.start()
         for warmer in warmers:
@@ -452,8 +520,9 @@ def soak(model: str, requests: int, clients: int, seconds: float, workdir: Path,
                 log_.close()
         if backend is not None:
             backend.shutdown()
-    return _result(db, front_db if hostile else None, outcomes, metrics_text, sent + 3 + app_sessions * app_chats,
-                   app_sessions, (rss_start, rss_end), watch, health, started, hostile)
+    return _result(db, front_db if hostile else None, outcomes, metrics_text,
+                   sent + len(warmers) + app_sessions * app_chats, app_sessions, (rss_start, rss_end), watch, health,
+                   started, hostile)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,6 +26,7 @@ from .inputs.documents import expand_documents
 from .inputs.images import load_request_images
 from .inputs.limits import check_size, check_text, control_tokens
 from .inputs.video import decode_budget, decode_frames, plan_request_videos, request_videos
+from .model.memory_pages import release_freed_memory
 from .records.info import EngineInfo
 from .records.metrics import RequestMetrics
 from .records.stages import CANCELLED, FRAME_DECODE, GRAMMAR, REFUSED, VIDEO_PROBE
@@ -102,8 +103,11 @@ def take_in(state: RequestState, config: EngineConfig, admit: Callable[[], None]
             state.images = load_request_images(state.request, config, admit=admit, clock=clock)
         if planned:
             with trace.stage(FRAME_DECODE, announce=False):
-                state.videos = [decode_frames(header, plan, **decode_budget(config), cancelled=state.cancelled.is_set)
-                                for header, plan in planned]
+                try:
+                    state.videos = [decode_frames(header, plan, **decode_budget(config),
+                                                  cancelled=state.cancelled.is_set) for header, plan in planned]
+                finally:
+                    release_freed_memory()  # full-size frames come and go by the hundred megabytes
     except (InvalidImage, InvalidVideo, InvalidPrompt, InvalidSchema, PromptTooLong, Busy) as exc:
         trace.finish(REFUSED, exc)
         raise

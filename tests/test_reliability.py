@@ -12,6 +12,7 @@ import time
 import httpx
 import pytest
 
+from bench.soak import THIRD_SET
 from engine import ChatRequest, InsufficientMemory, MetricsStore, PromptTooLong
 
 from .conftest import ROOT, free_port
@@ -42,7 +43,7 @@ def test_soak_short(tiny_model, tmp_path):
 def test_hostile_soak_short(tiny_model, tmp_path):
     """Every hostile input beside the mixed load: no 5xx, /health quick throughout, memory back, every refusal
     recorded."""
-    run = subprocess.run([sys.executable, "-m", "bench.soak", "--model", str(tiny_model), "--requests", "93",
+    run = subprocess.run([sys.executable, "-m", "bench.soak", "--model", str(tiny_model), "--requests", "84",
                           "--clients", "4", "--seconds", "300", "--app-sessions", "0", "--hostile",
                           "--workdir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
     result = json.loads(run.stdout)
@@ -53,8 +54,11 @@ def test_hostile_soak_short(tiny_model, tmp_path):
         "evil_host", "private_url", "huge_max_tokens", "oversized", "no_key", "non_ascii_key", "tools",
         "huge_prompt", "wide_json", "many_images", "long_model", "control_tokens", "ui_foreign_host", "slow_body")}
     assert len(hostile) == 22 and all(key.split(":")[1][0] == "4" for key in hostile)
+    third = {key.split(":")[0]: key.split(":")[1] for key in result["outcomes"] if key.split(":")[0] in THIRD_SET}
+    assert third == THIRD_SET  # the third set's clips and schemas: each a 400, or answered when within every limit
     assert set(result["outcomes"]) >= {"slow_body:408", "half_header:closed", "hostile_backend:200"}
-    assert result["hostile_backend_records"] == {"ok": 3}  # its answers checked, every record ended
+    # its answers checked, every record ended
+    assert result["hostile_backend_records"] == {"ok": result["outcomes"]["hostile_backend:200"]} == {"ok": 2}
     assert result["outcomes"]["lockout:locked"] == 1  # a browser guessing the app's password is locked out
     assert result["records_left_running"] == 0
     assert result["health_max_s"] < 0.1 and result["rss_growth_bytes"] < 200 * 2**20
