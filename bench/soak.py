@@ -8,7 +8,7 @@ every request answered or refused cleanly, memory flat after warm-up, exactly on
 strings for booleans, wrong content types, foreign origins and hosts, URLs into the server's network, bodies over
 the limit, missing and non-ASCII keys; clips and schemas made to cost memory and minutes: bench/hostile_clips.py,
 bench/hostile_schemas.py) and checks more: no 5xx, /health under 100 ms throughout, RSS back within
-200 MB, a record for every refusal too.
+300 MB, a record for every refusal too.
 """
 from __future__ import annotations
 
@@ -65,6 +65,7 @@ SLOW_S = 2  # a hostile run's header and body deadlines: a slow client is cut of
 GIF_1X1 = "data:image/gif;base64,R0lGODlhAQABAIAAAAAAAP///yH5BAEAAAAALAAAAAABAAEAAAIBRAA7"
 KEY = "soak-key"  # the API key of a hostile run's server
 MAX_BODY = 4 * 1024 * 1024  # a hostile run's body limit, so an oversized body stays cheap to send
+HOSTILE_RSS_GROWTH = 300 * 2**20  # what a hostile run's server may grow by (main() says why)
 CHROMIUM = chromium_binary()
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync"]
@@ -544,12 +545,14 @@ def main(argv: list[str] | None = None) -> int:
                   report=lambda message: print(message, file=sys.stderr, flush=True),
                   app_sessions=args.app_sessions, app_chats=args.app_chats, hostile=args.hostile)
     print(json.dumps(result, indent=1))
-    # A hostile run's bodies are megabytes each: its memory is held to 200 MB of growth instead of 5%.
+    # A hostile run's bodies are megabytes each and its clips decode frames of up to 133 MB at four at once: the heaps'
+    # high-water mark, the same after two rounds of the hostile sets as after four (docs/performance.md), is held to
+    # 300 MB of growth instead of 5%.
     healthy = (result["one_record_per_request"] and result["server_errors"] == 0
                and (args.hostile or result["rss_growth"] < 0.05) and result["records_left_running"] == 0
                and result["health_at_end"] == "ready" and "app:no-answer" not in result["outcomes"])
     if args.hostile:
-        healthy = healthy and result["rss_growth_bytes"] < 200 * 2**20 and result["health_max_s"] < 0.1
+        healthy = healthy and result["rss_growth_bytes"] < HOSTILE_RSS_GROWTH and result["health_max_s"] < 0.1
         healthy = healthy and not any(key.startswith("lockout:not-locked") for key in result["outcomes"])
     return 0 if healthy else 1
 

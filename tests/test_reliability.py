@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from bench.soak import THIRD_SET
+from bench.soak import HOSTILE_RSS_GROWTH, THIRD_SET
 from engine import ChatRequest, InsufficientMemory, MetricsStore, PromptTooLong
 
 from .conftest import ROOT, free_port
@@ -61,7 +61,7 @@ def test_hostile_soak_short(tiny_model, tmp_path):
     assert result["hostile_backend_records"] == {"ok": result["outcomes"]["hostile_backend:200"]} == {"ok": 2}
     assert result["outcomes"]["lockout:locked"] == 1  # a browser guessing the app's password is locked out
     assert result["records_left_running"] == 0
-    assert result["health_max_s"] < 0.1 and result["rss_growth_bytes"] < 200 * 2**20
+    assert result["health_max_s"] < 0.1 and result["rss_growth_bytes"] < HOSTILE_RSS_GROWTH
 
 
 def test_sigkill_mid_generation_then_restart(tiny_model, tmp_path):

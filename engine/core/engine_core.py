@@ -22,7 +22,7 @@ from ..kernels.memory_read import memory_read_gb_per_s
 from ..model import decode_backend
 from ..model.generate import decode_batch, decode_one_token, detach_step
 from ..model.loading import LoadedModel, load_model
-from ..model.memory_pages import back_with_huge_pages, huge_pages_pay
+from ..model.memory_pages import back_with_huge_pages, huge_pages_pay, release_freed_memory
 from ..records.info import EngineInfo
 from ..records.metrics import current_rss
 from ..records.stages import CANCELLED, DETOKENIZE, ERROR, GRAMMAR, OK
@@ -91,6 +91,10 @@ class EngineCore:
         if running:
             ended += self._decode(running)
         self.scheduler.update(plan, admitted, ended)
+        if ended and self.scheduler.depth == 0:
+            # Idle: what the requests' intake and compute freed goes back to the system (a trim takes milliseconds;
+            # glibc would keep it in its heaps, where RSS counts it as the server's).
+            release_freed_memory()
 
     def _admit_piece(self, state: RequestState, running: list[RequestState]) -> bool:
         """The admission's next piece, the running requests waiting for it: the time goes on their records as

@@ -5,11 +5,13 @@ refusals are kept by schema, within a count and a byte bound; each sequence matc
 (structured/matcher.py)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import jsonschema
 import llguidance
@@ -28,15 +30,6 @@ TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 
 
 @dataclass(frozen=True)
-class CompiledGrammar:
-    """A grammar ready to match: `matcher` stays at the start, each sequence takes a deep copy."""
-
-    matcher: LLMatcher
-    what: str  # "json_schema" or "tool_calls"
-    bytes: int = 0  # what building it took in memory, as its trial measured
-
-
-@dataclass(frozen=True)
 class Refusal:
     """A schema refused, as the cache keeps it: its words only (an exception would keep its traceback, and with it
     whatever the failed build held)."""
@@ -49,6 +42,18 @@ class Refusal:
 
     def error(self) -> InvalidSchema:
         return InvalidSchema(self.message, self.kind, self.about)
+
+
+@dataclass(frozen=True)
+class CompiledGrammar:
+    """A grammar ready to match: `matcher` stays at the start, each sequence takes a deep copy."""
+
+    matcher: LLMatcher
+    what: str  # "json_schema" or "tool_calls"
+    bytes: int = 0  # what building it took in memory, as its trial measured
+    # Called with the refusal once the grammar gave out mid-answer: the cache then holds the refusal, not the grammar
+    # (nor what it grew while failing), and the next request with its schema is refused at submit.
+    forget: Callable[[Refusal], None] | None = field(default=None, compare=False, repr=False)
 
 
 def subject(what: str) -> str:
@@ -177,7 +182,7 @@ class GrammarCompiler:
                 self._cache.move_to_end(key)
         if found is None:
             try:
-                found = self._compile(key, config)
+                found = dataclasses.replace(self._compile(key, config), forget=lambda refusal: self._forget(key, refusal))
             except InvalidSchema as exc:
                 found = Refusal(exc.message, exc.kind, "response_format" if key[0] == "json_schema" else "tools")
             self._keep(key, found, config)
@@ -192,6 +197,11 @@ class GrammarCompiler:
             while len(self._cache) > 1 and (len(self._cache) > config.grammar_cache_entries or
                                             sum(item.bytes for item in self._cache.values()) > config.grammar_cache_bytes):
                 self._cache.popitem(last=False)
+
+    def _forget(self, key: tuple, refusal: Refusal) -> None:
+        with self._lock:
+            if key in self._cache:
+                self._cache[key] = refusal
 
     @property
     def cached_bytes(self) -> int:

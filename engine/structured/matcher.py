@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from ..errors import InvalidSchema
-from .compiler import CompiledGrammar, subject
+from .compiler import CompiledGrammar, Refusal, subject
 
 _live: weakref.WeakSet = weakref.WeakSet()
 
@@ -30,7 +30,7 @@ def fill_masks(grammars: list[GrammarMatcher]) -> None:
 class GrammarMatcher:
     def __init__(self, compiled: CompiledGrammar, vocab_size: int, eos_ids: tuple[int, ...] = ()):
         self.matcher = compiled.matcher.deep_copy()
-        self.what = compiled.what
+        self.what, self._forget = compiled.what, compiled.forget
         self.eos_ids = frozenset(eos_ids)
         self._bits = np.zeros((vocab_size + 31) // 32, dtype=np.int32)
         self._ready = False  # the bits hold the mask of the tokens allowed next
@@ -89,9 +89,11 @@ class GrammarMatcher:
         """The grammar gave out while the answer was written (llguidance's limits on a step): the answer ends there,
         refused as a schema too complex to hold an answer to, naming the part of the request at fault."""
         error = self.matcher.get_error().splitlines()[0][:200] if self.matcher.is_error() else "no token is allowed"
-        return InvalidSchema(f"{subject(self.what)} could not be held while the answer was written ({error}): "
-                             "simplify it", "schema_too_complex",
-                             "response_format" if self.what == "json_schema" else "tools")
+        refusal = Refusal(f"{subject(self.what)} could not be held while the answer was written ({error}): simplify "
+                          "it", "schema_too_complex", "response_format" if self.what == "json_schema" else "tools")
+        if self._forget is not None:
+            self._forget(refusal)
+        return refusal.error()
 
     @property
     def done(self) -> bool:
