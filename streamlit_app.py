@@ -45,7 +45,7 @@ else:
         if exposed_without_sign_in():
             logging.getLogger("vlscope").warning(
                 "vlscope is open: it may listen beyond loopback and neither API keys nor an app sign-in are set. "
-                "Anyone who reaches this port can use the model. See README, Hosting.")
+                "Anyone who reaches this port can use the model. See docs/hosting.md.")
         async with api_lifespan(app):
             yield
 

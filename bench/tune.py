@@ -6,7 +6,7 @@ Three questions, each answered on the full-size model with one real image throug
 - KV cache: a DynamicCache that grows per token, or a StaticCache allocated once for the whole answer;
 - torch.compile of the language model (with the static cache, the combination it is meant for).
 Each option must give the same greedy tokens as the default before its time counts. The engine keeps whichever
-wins; docs/tuning.md holds the figures the current choice rests on.
+wins; docs/decisions.md holds the figures the current choice rests on.
 """
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ DTYPES = ("float32", "bfloat16", "int8", "int4")
 # The precisions whose language model multiplies int8 activations (one scale per row) by integer weights.
 INTEGER_DTYPES = ("int8", "int4")
 # What bfloat16, int8 and int4 weights compute in. auto: bfloat16 where this CPU's bfloat16 matmul measures faster
-# than float32, else float32 with the weights kept compact (see engine/quantize.py).
+# than float32, else float32 with the weights kept compact (engine/kernels/quantize.py).
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
 # How Linear layers run. packed: weights reordered once at load for oneDNN (float32, bfloat16) or fbgemm (int8,
 # int8 activations), the fastest measured here; plain: PyTorch's stock kernels (parity tests, the bench's baseline).
@@ -47,7 +47,7 @@ class EngineConfig:
     dtype: str = "float32"
     compute_dtype: str = "auto"
     kernels: str = "packed"
-    # The direct decode step compiled with inductor, segment by segment (engine/decode_step.py): auto compiles where it
+    # The direct decode step compiled with inductor, segment by segment (engine/model/decode_backend.py): auto compiles where it
     # is measured faster at load (bfloat16 on CPUs that compute in it, where fbgemm's float16 products are missing),
     # on always tries, off never does.
     compile: str = "auto"
@@ -65,7 +65,7 @@ class EngineConfig:
     seed: int = 0
     warmup: bool = True
     max_queue: int = 8
-    # Sequences decoded together, one token each per step (engine/scheduler.py): a step for four costs little more
+    # Sequences decoded together, one token each per step (engine/core/scheduler.py): a step for four costs little more
     # than a step for one, since both read every weight once (docs/decisions.md, "Batched decode").
     max_batch: int = 4
     db_path: str = "data/vlscope.db"

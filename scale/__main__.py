@@ -2,7 +2,7 @@
 given by address, until Ctrl-C.
 
     python -m scale --replicas 2 --threads 1                  # this machine, two one-thread replicas, port 8000
-    python -m scale --address 10.0.0.5:6379 --replicas 4      # a cluster started with `ray start` (README)
+    python -m scale --address 10.0.0.5:6379 --replicas 4      # a cluster started with `ray start` (docs/hosting.md)
 """
 from __future__ import annotations
 

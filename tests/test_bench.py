@@ -194,7 +194,7 @@ def test_tune_measures_each_option_on_the_same_tokens(tiny_model, images_dir):
 def test_measurements_called_from_another_thread_run_on_the_compute_thread():
     """The advice and the ceilings, called from the main thread, run their PyTorch work on the engine's compute
     thread: no OpenMP team (a new worker thread) is left on the caller's. One there slowed every later decode step
-    of the quick bench (README, "The engine API"). In a fresh process, whose threads can be counted; the same count
+    of the quick bench (docs/architecture.md, "The engine API"). In a fresh process, whose threads can be counted; the same count
     does see a team started on the main thread."""
     code = (
         "import os, torch\n"

@@ -785,7 +785,7 @@ def _huge_bytes_at(address: int) -> int:
 
 @pytest.mark.skipif(not _kernel_can_collapse(), reason="needs Linux 6.1+ with transparent huge pages not 'never'")
 def test_large_regions_move_onto_huge_pages():
-    """Weights are read once a token: on 2 MB pages rather than 4 KB ones (engine/memory.py has the figures)."""
+    """Weights are read once a token: on 2 MB pages rather than 4 KB ones (docs/decisions.md, "Huge pages after load", has the figures)."""
     from engine.model.memory_pages import back_with_huge_pages, huge_page_bytes
 
     weights = torch.ones(64 << 20, dtype=torch.uint8)  # touched: on 4 KB pages unless THP is "always"

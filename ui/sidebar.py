@@ -19,7 +19,7 @@ def render_status(loaded: LoadedEngine | None) -> None:
             with st.expander("How to lock it down"):
                 st.caption("This server listens beyond loopback and anyone who reaches it may use the app and the "
                            "API. Set VLSCOPE_API_KEYS for the API and VLSCOPE_APP_PASSWORD (or an [auth] table) for "
-                           "the app, or listen on loopback only (--server.address 127.0.0.1). README: Hosting.")
+                           "the app, or listen on loopback only (--server.address 127.0.0.1). docs/hosting.md.")
         if loaded is None:
             st.caption("No model loaded.")
             return
