@@ -7,6 +7,19 @@ import logging
 
 import streamlit as st
 
+from server.slot import read_secrets_from
+
+
+def streamlit_secrets() -> dict:
+    """The `[vlscope]` table of st.secrets: Streamlit's secrets locations, and those AppTest sets."""
+    try:
+        return dict(st.secrets.get("vlscope", {}))
+    except Exception:  # no secrets file, or an unreadable one: the defaults and environment still apply
+        return {}
+
+
+read_secrets_from(streamlit_secrets)
+
 if __name__ == "__main__":
     # Streamlit runs this file as the page script, on every rerun of every session.
     from ui.access import require_sign_in

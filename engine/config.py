@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,11 @@ COMPILE_MODES = ("auto", "on", "off")
 ENV_ALIASES = {"db_path": "VLSCOPE_DB"}
 # One vision token covers a 32x32 pixel block (16-pixel patches merged 2x2).
 PIXELS_PER_VISION_TOKEN = 32 * 32
+
+
+def looks_like_hub_id(source: str) -> bool:
+    """'org/name' or 'name', as the hub spells ids; anything else with a slash is a filesystem path."""
+    return re.fullmatch(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?", source) is not None
 
 
 def default_threads() -> int:

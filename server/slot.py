@@ -12,12 +12,10 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import streamlit as st
+from typing import Callable, Mapping
 
 from engine import SKELETON_DIR, Engine, EngineConfig, MetricsStore, ModelUnavailable, open_store
-from engine.config import ServerSettings, Settings, load_settings
-
-from engine.model.loading import looks_like_hub_id
+from engine.config import ServerSettings, Settings, load_settings, looks_like_hub_id, secrets_table
 from engine.remote import RemoteEngine
 
 
@@ -45,12 +43,14 @@ class EngineSlot:
         return self.loaded is not None and self.loaded_config == self.config
 
 
-def _secrets() -> dict:
-    """The `[vlscope]` table of Streamlit's secrets (so its secrets locations and `st.App(secrets=...)` count)."""
-    try:
-        return dict(st.secrets.get("vlscope", {}))
-    except Exception:  # no secrets file, or an unreadable one: the defaults and environment still apply
-        return {}
+# Where the `[vlscope]` table of secrets comes from: the secrets files, read with tomllib, unless the process runs
+# Streamlit, whose st.secrets (its locations, AppTest's secrets) the app then hands over (read_secrets_from).
+_secrets: Callable[[], Mapping] = secrets_table
+
+
+def read_secrets_from(source: Callable[[], Mapping]) -> None:
+    global _secrets
+    _secrets = source
 
 
 def configured_settings() -> Settings:

@@ -241,3 +241,13 @@ def test_no_stop_iteration_drives_the_engine_and_no_class_is_over_300_lines():
         for node in ast.walk(tree):
             if isinstance(node, ast.ClassDef):
                 assert node.end_lineno - node.lineno < 300, f"{path.relative_to(ROOT)}: {node.name}"
+
+
+def test_the_api_and_the_records_load_without_streamlit_or_torch():
+    """A cluster's replica, or a server fronting a remote backend, loads torch only with a local engine, and
+    Streamlit never: the API, the shared server state and the records need neither (a fresh process shows it)."""
+    loaded = subprocess.run([sys.executable, "-c", (
+        "import sys, api.app, api.routes, server.slot, engine.remote, engine.records.store, engine.records.trace; "
+        "print(sorted(name for name in ('streamlit', 'torch', 'transformers') if name in sys.modules))")],
+        cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert loaded.stdout.strip() == "[]", loaded.stdout + loaded.stderr[-2000:]

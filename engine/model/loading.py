@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import socket
 import time
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ from transformers.initialization import no_init_weights
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from ..kernels import attention
-from ..config import INTEGER_DTYPES, EngineConfig
+from ..config import INTEGER_DTYPES, EngineConfig, looks_like_hub_id
 from ..errors import ModelUnavailable
 from ..kernels.fusion import stack_projections_
 from ..kernels.packing import pack_remaining_linears
@@ -292,6 +291,3 @@ def _convert(model: nn.Module, config: EngineConfig, report) -> tuple[str, list[
     return compute_dtype, notes
 
 
-def looks_like_hub_id(source: str) -> bool:
-    """'org/name' or 'name', as the hub spells ids; anything else with a slash is a filesystem path."""
-    return re.fullmatch(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?", source) is not None
