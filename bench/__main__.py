@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.record and args.out:
         parser.error("--record writes to docs/bench/<kind>/: leave out --out")
-    from engine.kernels.system import system_report
+    from engine.machine import system_report
 
     from .harness import LOCAL_RUNS, default_images_dir, default_model, record_dir, run_bench  # torch: after --help
 

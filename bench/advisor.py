@@ -10,7 +10,7 @@ import torch
 
 from engine.config import DTYPES
 from engine.core.compute import runs_on_compute_thread
-from engine.kernels.system import (
+from engine.machine import (
     HIDDEN,
     INTERMEDIATE,
     PREFILL_ROWS,

@@ -27,7 +27,7 @@ def fail(exc: BaseException) -> int:
 
 def machine_line() -> str:
     """`CPU <model>, <n> cores, ISA <flags>`: what every run names first."""
-    from engine.kernels.system import system_report
+    from engine.machine import system_report
 
     machine = system_report()
     return f"CPU {machine.cpu_model}, {machine.physical_cores} cores, ISA {', '.join(machine.isa_flags)}"

@@ -33,7 +33,7 @@ from engine.inputs.preprocess import single_image_inputs
 from engine.kernels.quantize import LINEAR_KINDS
 from engine.request import ChatRequest, Turn
 from engine.kernels.memory_read import memory_read_gb_per_s
-from engine.kernels.system import cpu_kind, system_report
+from engine.machine import cpu_kind, system_report
 
 from .advisor import advise, recommend
 from .plan import APP_SWEEP, FOLLOW_UPS, IMAGE_SIZES, PROMPT, Case, execution_order, plan

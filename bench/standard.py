@@ -4,7 +4,7 @@ shared host's drift falls on all of them alike.
 
     python -m bench.standard --model ../shared/qwen3-vl-2b --isa native avx2 --rounds 2 --out standard.md
 
-`--isa avx2` runs a request with PyTorch, oneDNN, fbgemm and this project held to AVX2 (engine/kernels/system.py,
+`--isa avx2` runs a request with PyTorch, oneDNN, fbgemm and this project held to AVX2 (engine/machine.py,
 AVX2_DISPATCH): the paths an AVX2-only server takes, measured on a bigger CPU.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 from engine.config import DTYPES, PROJECT_DIR
 from engine.environment import shared_dir
 from engine.kernels.memory_read import memory_read_gb_per_s
-from engine.kernels.system import AVX2_DISPATCH
+from engine.machine import AVX2_DISPATCH
 
 from .cli import machine_line
 from .harness import bench_image, default_images_dir

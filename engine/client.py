@@ -169,7 +169,7 @@ class Engine(StreamingMixin):
         self.store.mark_interrupted(psutil.pid_exists)  # requests a killed server left running
         self._core = compute.run(EngineCore, config, progress=report)
         self.info: EngineInfo = self._core.info
-        self.loaded = self._core.loaded
+        self.loaded = self._core.runner.loaded
         self._scheduler = self._core.scheduler
         self._control_tokens = control_tokens(self.loaded.tokenizer)
         self._grammars = GrammarCompiler(self.loaded.tokenizer, self.loaded.vocab_size, self.loaded.eos_token_ids)
@@ -227,7 +227,7 @@ class Engine(StreamingMixin):
     @property
     def decode_step(self):
         """The step that advances running requests a token each (None: transformers' forward, one at a time)."""
-        return self._core.decode_step
+        return self._core.runner.decode_step
 
     def batch_limit(self) -> int:
         return self._core.batch_limit()

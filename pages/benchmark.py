@@ -9,7 +9,7 @@ from bench.provenance import REFRESH, describe
 from bench.harness import default_images_dir, reference_result, sweep_on_engine
 from bench.report import cases_table, markdown_report, report_figure
 from engine.config import PROJECT_DIR
-from engine.kernels.system import cpu_kind_name, system_report
+from engine.machine import cpu_kind_name, system_report
 from ui.engine_resource import get_engine
 
 st.title("Benchmark")

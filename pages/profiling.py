@@ -7,7 +7,7 @@ import streamlit as st
 from engine import DTYPES, STATUSES, stage_percentiles, to_csv
 from engine.records.stages import REFUSED
 from engine.remote import RemoteEngine
-from engine.kernels.system import ISA_FLAGS, system_report
+from engine.machine import ISA_FLAGS, system_report
 from ui.charts import (concurrency_chart, label, latency_over_time, records_frame, rss_chart, server_stages, stage_bars,
                        token_latency_chart)
 from server.slot import engine_slot, get_store

@@ -11,7 +11,7 @@ from bench.advisor import advise, agreement_line
 from bench.harness import Reference, bench_image, measured_kind, reference_result, run_baseline_case, run_engine_case
 from bench.plan import Case, execution_order, plan
 from engine.config import DTYPES
-from engine.kernels.system import CPU_KINDS, cpu_kind, system_report
+from engine.machine import CPU_KINDS, cpu_kind, system_report
 
 from .conftest import FULL_SKELETON, ROOT
 from .test_api import start_server

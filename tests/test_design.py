@@ -138,7 +138,7 @@ def test_the_app_reads_its_settings_from_st_secrets(tiny_model, tmp_path, monkey
 # The engine's parts, lowest first: a part imports its own modules and those of parts below it, never one above.
 # The face (engine/*.py) imports any part; a part imports of the face only its leaves, which import no part.
 ENGINE_PARTS = ("inputs", "records", "kernels", "model", "structured", "core")
-FACE_LEAVES = {"engine.config", "engine.environment", "engine.errors", "engine.request"}
+FACE_LEAVES = {"engine.config", "engine.environment", "engine.errors", "engine.machine", "engine.request"}
 
 
 def _engine_module(path) -> str:
@@ -251,3 +251,18 @@ def test_the_api_and_the_records_load_without_streamlit_or_torch():
         "print(sorted(name for name in ('streamlit', 'torch', 'transformers') if name in sys.modules))")],
         cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert loaded.stdout.strip() == "[]", loaded.stdout + loaded.stderr[-2000:]
+
+
+def test_the_core_reaches_the_model_through_the_runner_only():
+    """The engine core plans and steps; the model runner (engine/model/runner.py) encodes, prefills and decodes:
+    the core neither imports the model's stages nor reaches into the loaded model or the decode step."""
+    graph = _engine_graph()
+    for path in _python_files("engine/core"):
+        module = _engine_module(path)
+        reached = {name for name in graph[module] if _part(name) in ("model", "kernels")}
+        assert reached <= {"engine.model.runner", "engine.model.runner.ModelRunner", "engine.model.memory_pages",
+                           "engine.model.memory_pages.release_freed_memory", "engine.kernels.memory_read",
+                           "engine.kernels.memory_read.memory_read_gb_per_s"}, (module, reached)
+        text = path.read_text()
+        for reach in ("loaded.model", ".decode_step", "DirectDecodeStep", "isinstance(core."):
+            assert reach not in text, f"{path.relative_to(ROOT)} reaches into the model: {reach}"

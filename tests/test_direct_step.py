@@ -10,7 +10,7 @@ from transformers import DynamicCache
 from engine.config import EngineConfig
 from engine.model.decode_backend import hidden_dtype
 from engine.kernels.decode_attention import MatmulAttention, best as best_attention
-from engine.kernels.direct_step import DirectDecodeStep
+from engine.model.direct_step import DirectDecodeStep
 from engine.model.generate import (attach_step, decode_batch, decode_one_token, detach_step, encode_images, prefill,
                              prefill_text)
 from engine.inputs.limits import fit_to_budget

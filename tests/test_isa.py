@@ -15,7 +15,7 @@ import torch
 
 from engine.kernels.packing import packing_works
 from engine.kernels.quantize import has_int8_dot_product
-from engine.kernels.system import AVX2_DISPATCH, _ABOVE_AVX2, cpu_flags, held_to_avx2
+from engine.machine import AVX2_DISPATCH, _ABOVE_AVX2, cpu_flags, held_to_avx2
 
 from .conftest import ROOT
 

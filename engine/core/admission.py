@@ -12,8 +12,6 @@ import torch
 from ..errors import GenerationFailed, InsufficientMemory, PromptTooLong, VlscopeError
 from ..inputs.limits import check_memory
 from ..inputs.preprocess import image_grids, ocr_pictures, patchify_images, prepare_input
-from ..kernels.direct_step import DirectDecodeStep
-from ..model.generate import ChunkedPrefill, VisionEncoding, attach_step, prefill_text
 from ..records.metrics import PeakRss
 from ..structured.matcher import GrammarMatcher
 from ..records.stages import CANCELLED, DECODE, DETOKENIZE, ERROR, OCR_ENHANCE, PREFILL, PREPROCESS, REFUSED, \
@@ -95,7 +93,8 @@ class Admission:
             with trace.stage(OCR_ENHANCE):
                 self.pictures = ocr_pictures(state)
         with trace.stage(PREPROCESS):
-            self.prepared = prepare_input(state, self.pictures, core.loaded, core.config, core.info.context_length)
+            self.prepared = prepare_input(state, self.pictures, core.runner.loaded, core.config,
+                                          core.info.context_length)
         return self._wait_for_memory(running)
 
     def _wait_for_memory(self, running):
@@ -103,8 +102,8 @@ class Admission:
         the room the running answers hold, it waits a decode step at a time until they end."""
         core, trace = self.core, self.trace
         try:
-            check_memory(core.loaded.model.config, self.prepared.sizes, trace.prompt_tokens, trace.max_new_tokens,
-                         core.loaded.compute_dtype, isinstance(core.decode_step, DirectDecodeStep),
+            check_memory(core.runner.model_config, self.prepared.sizes, trace.prompt_tokens, trace.max_new_tokens,
+                         core.runner.loaded.compute_dtype, core.runner.float32_decode_cache,
                          core.config.memory_limit_bytes, core.reserved_bytes(running))
         except InsufficientMemory:
             if not running:
@@ -126,7 +125,7 @@ class Admission:
             trace.cached_prompt_tokens = self.start
             # Only pictures and pairs of frames after the reused prefix are encoded again.
             fresh = [index for index, (first, _) in enumerate(self.spans) if first >= self.start]
-            self.patches = patchify_images(core.loaded.image_processor, [prepared.items[i] for i in fresh],
+            self.patches = patchify_images(core.runner.loaded.image_processor, [prepared.items[i] for i in fresh],
                                            [prepared.sizes[i] for i in fresh]) if fresh else None
             self.grids = image_grids(prepared.sizes)
         # Preprocessing done: the running streams take a step before the encode (or, without one, the prefill).
@@ -136,26 +135,24 @@ class Admission:
         trace, started = self.trace, time.perf_counter()
         if self.encoding is None:
             trace.announce(VISION_ENCODE)
-            self.encoding = VisionEncoding(self.core.loaded.model, self.patches)
+            self.encoding = self.core.runner.encoding(self.patches)
         done = self.encoding.run(ADMISSION_PIECE_SECONDS)
         # Timed piece by piece: the steps between them are other requests' time.
         trace.add(VISION_ENCODE, time.perf_counter() - started)
         return self._prefill if done else self._encode  # encoding done: another step before the prefill
 
     def _prefill(self, running):
-        core, trace = self.core, self.trace
+        runner, trace = self.core.runner, self.trace
         prompt, cache = self.prepared.prompt, self.reused.cache if self.reused else None
-        step = core.decode_step  # none without a KV cache
         vision = self.encoding.result if self.encoding is not None else None
-        if step is not None and vision is None:  # text only from `start`: the step prefills it too
+        if runner.prefills_in_step(vision):  # text only from `start`: the step prefills it too
             with trace.stage(PREFILL):
-                logits, decode_state = prefill_text(core.loaded.model, prompt, self.grids, step, cache=cache,
-                                                    start=self.start)
+                logits, decode_state = runner.prefill_text(prompt, self.grids, cache, self.start)
             return self._first_token(logits, decode_state)
         if self.prefill is None:
             trace.announce(PREFILL)
-            self.prefill = ChunkedPrefill(core.loaded.model, prompt, vision, self.grids, core.config.kv_cache,
-                                          cache=cache, start=self.start)
+            self.prefill = runner.chunked_prefill(prompt, vision, self.grids, self.core.config.kv_cache, cache,
+                                                  self.start)
             # Beside running answers the prompt goes in chunks, each followed by their next step, each sized from the
             # last one's rate; alone it goes in one (chunks cost a lone request time: docs/decisions.md).
             self.chunked = bool(running)
@@ -167,8 +164,7 @@ class Admission:
             self.chunk = chunk_for(self.chunk, took, PREFILL_PIECE_SECONDS)
             return self._prefill
         decode_state = self.prefill.state
-        if step is not None:  # its buffers grow: any length fits
-            attach_step(decode_state, step)
+        runner.attach(decode_state)  # the step's buffers grow: any length fits
         trace.add(PREFILL, time.perf_counter() - started)
         return self._first_token(self.prefill.logits, decode_state)
 
@@ -180,13 +176,14 @@ class Admission:
             generator=core.generator if request.seed is None else torch.Generator().manual_seed(request.seed),
             presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
             logit_bias=request.logit_bias, top_logprobs=request.top_logprobs,
-            grammar=(GrammarMatcher(state.grammar, core.loaded.vocab_size, core.loaded.eos_token_ids)
+            grammar=(GrammarMatcher(state.grammar, core.runner.loaded.vocab_size, core.runner.loaded.eos_token_ids)
                      if state.grammar is not None else None),
         )
         with trace.stage(PREFILL, announce=False):
             token = sampler(logits)
-        stop_ids = set() if request.ignore_eos else set(core.loaded.eos_token_ids)
-        output = SequenceOutput(core.loaded.tokenizer, request.stop, stop_ids, state.events.put, sampler.logprobs)
+        stop_ids = set() if request.ignore_eos else set(core.runner.loaded.eos_token_ids)
+        output = SequenceOutput(core.runner.loaded.tokenizer, request.stop, stop_ids, state.events.put,
+                                sampler.logprobs)
         with trace.stage(DETOKENIZE, announce=False):
             output.take(token, complete=sampler.done)
         trace.first_token()

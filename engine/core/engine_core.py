@@ -1,8 +1,8 @@
-"""The engine core: the model loaded once, and `step()`, one turn of the engine loop on the compute thread.
+"""The engine core: the model runner built once, and `step()`, one turn of the engine loop on the compute thread.
 
     plan = scheduler.plan()            which admission piece, which requests to step
     admission.advance(running)         the newcomer's next piece (preprocess, encode, prefill, first token)
-    logits = decode_step(running)      every decoding request one token further, in one batched step
+    runner.decode(running)             every decoding request one token further, in one batched step
     output processing                  each request samples, detokenizes and emits; ended ones get their record
     scheduler.update(plan, ...)        what was admitted and what ended
 
@@ -19,10 +19,8 @@ import torch
 from ..config import EngineConfig
 from ..errors import GenerationFailed, InvalidSchema, VlscopeError
 from ..kernels.memory_read import memory_read_gb_per_s
-from ..model import decode_backend
-from ..model.generate import decode_batch, decode_one_token, detach_step
-from ..model.loading import LoadedModel, load_model
-from ..model.memory_pages import back_with_huge_pages, huge_pages_pay, release_freed_memory
+from ..model.memory_pages import release_freed_memory
+from ..model.runner import ModelRunner
 from ..records.info import EngineInfo
 from ..records.metrics import current_rss
 from ..records.stages import CANCELLED, DETOKENIZE, ERROR, GRAMMAR, OK
@@ -43,27 +41,23 @@ class EngineCore:
         report = progress or (lambda fraction, message: None)
         started = time.perf_counter()
         self.config = config
-        self.loaded: LoadedModel = load_model(config, progress=report)
-        self.decode_step, decode_note, step_notes = decode_backend.prepare(self.loaded, config, report)
-        if huge_pages_pay(self.loaded.weight_bytes):
-            report(0.965, "Moving the weights onto huge pages")
-            log.info("weights: %.2f GB of the process on huge pages", back_with_huge_pages() / 1e9)
+        self.runner = ModelRunner(config, report)
+        loaded = self.runner.loaded
         # Beside the engine's own OpenMP team, as decode reads: another thread's figure mixes in a second team.
         read_ceiling = memory_read_gb_per_s()
-        text_config = self.loaded.model.config.get_text_config()
         self.info = EngineInfo(
-            model=self.loaded.name,
-            synthetic=self.loaded.synthetic,
+            model=loaded.name,
+            synthetic=loaded.synthetic,
             dtype=config.dtype,
             threads=config.threads,
-            weight_bytes=self.loaded.weight_bytes,
+            weight_bytes=loaded.weight_bytes,
             load_seconds=time.perf_counter() - started,  # compiling the decode step included
-            context_length=int(text_config.max_position_embeddings),
-            compute_dtype=self.loaded.compute_dtype,
+            context_length=int(self.runner.model_config.get_text_config().max_position_embeddings),
+            compute_dtype=loaded.compute_dtype,
             kv_cache=config.kv_cache,
-            decode_weight_bytes=self.loaded.decode_weight_bytes,
-            decode=decode_note,
-            notes=self.loaded.notes + step_notes,
+            decode_weight_bytes=loaded.decode_weight_bytes,
+            decode=self.runner.decode_note,
+            notes=loaded.notes + self.runner.step_notes,
             read_ceiling_gb_per_s=read_ceiling,
         )
         self.generator = torch.Generator().manual_seed(config.seed)
@@ -75,7 +69,7 @@ class EngineCore:
     def batch_limit(self) -> int:
         """How many requests decode together: the setting where the direct decode step runs, else one at a time
         (transformers' forward decodes one sequence)."""
-        return self.config.max_batch if self.decode_step is not None else 1
+        return self.config.max_batch if self.runner.batches else 1
 
     # ---- one turn of the loop --------------------------------------------------------------------------------
 
@@ -124,7 +118,8 @@ class EngineCore:
             masks = self.masks.submit(fill_masks, grammars) if grammars else None
             try:
                 with torch.inference_mode():
-                    logits = self._next_logits(live)
+                    logits = self.runner.decode([state.decoding.state for state in live],
+                                                [state.decoding.token for state in live])
             except Exception as exc:
                 log.exception("a decode step of %d request(s) failed", len(live))
                 error = GenerationFailed(f"generation failed: {type(exc).__name__}: {exc}")
@@ -156,16 +151,6 @@ class EngineCore:
             self.finish(state, errors.get(state))
         return ended
 
-    def _next_logits(self, states: list[RequestState]) -> torch.Tensor:
-        """The next logits of each request, row by row: one batched step of the direct decode step, or (plain
-        kernels, no KV cache: batches of one) transformers' forward."""
-        first = states[0].decoding
-        if first.state.step is None:
-            (state,) = states
-            return decode_one_token(self.loaded.model, first.state, first.token)
-        return decode_batch(self.decode_step, [state.decoding.state for state in states],
-                            [state.decoding.token for state in states])
-
     # ---- output processing's last word -------------------------------------------------------------------------
 
     def finish(self, state: RequestState, error: BaseException | None = None) -> None:
@@ -174,7 +159,7 @@ class EngineCore:
         trace, decoding = state.trace, state.decoding
         cancelled = state.cancelled.is_set()
         try:
-            detach_step(decoding.state)
+            self.runner.detach(decoding.state)
             if decoding.state.cache is not None and error is None:  # prompt and answer so far: the next turn's start
                 self.prefix_cache.put(CachedSequence(decoding.state.tokens, decoding.state.cache, decoding.keys,
                                                      decoding.spans))
@@ -195,17 +180,13 @@ class EngineCore:
 
     def reserved_bytes(self, running: list[RequestState]) -> int:
         """Keys and values the running answers will still add, up to their length limits."""
-        step = self.decode_step
-        if step is None:
-            return 0
-        return sum(max(0, step.kv_bytes(state.trace.prompt_tokens + state.trace.max_new_tokens)
-                          - step.kv_bytes(state.decoding.state.tokens.shape[1]))
+        kv_bytes = self.runner.kv_bytes
+        return sum(max(0, kv_bytes(state.trace.prompt_tokens + state.trace.max_new_tokens)
+                          - kv_bytes(state.decoding.state.tokens.shape[1]))
                    for state in running if state.decoding is not None and state.decoding.state.kv is not None)
 
     def release(self) -> None:
         """The decode step's weights and compiled code go (after any step still running)."""
-        step, self.decode_step = self.decode_step, None
-        if step is not None:
-            step.release()
+        self.runner.release()
         self.masks.shutdown(wait=False)
 

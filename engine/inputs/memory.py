@@ -10,7 +10,7 @@ MARGIN = 2.0
 
 def estimate_request_bytes(model_config, vision_patches: int, prompt_tokens: int, new_tokens: int,
                            bytes_per_value: int, float32_decode_cache: bool = False) -> int:
-    """`float32_decode_cache`: decode keeps a float32 copy of the keys and values (kernels/direct_step.py)."""
+    """`float32_decode_cache`: decode keeps a float32 copy of the keys and values (model/direct_step.py)."""
     text, vision = model_config.get_text_config(), model_config.vision_config
     head_dim = getattr(text, "head_dim", text.hidden_size // text.num_attention_heads)
     kv_cache = (prompt_tokens + new_tokens) * text.num_hidden_layers * 2 * text.num_key_value_heads * head_dim

@@ -1,1 +1,1 @@
-"""The CPU kernels: the direct decode step, decode attention, packed, int8 and stacked products, and the CPU's flags."""
+"""The CPU kernels, pure operations: decode attention, packed, int8, int4 and stacked products, the read ceiling."""

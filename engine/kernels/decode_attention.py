@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from . import native
-from .system import held_to_avx2
+from ..machine import held_to_avx2
 
 log = logging.getLogger(__name__)
 

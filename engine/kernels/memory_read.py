@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from . import native
-from .system import best_seconds
+from ..machine import best_seconds
 
 log = logging.getLogger(__name__)
 

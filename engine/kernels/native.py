@@ -14,7 +14,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from .system import cpu_flags, held_to_avx2
+from ..machine import cpu_flags, held_to_avx2
 
 
 def compiler() -> str | None:

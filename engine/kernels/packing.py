@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .system import cpu_flags
+from ..machine import cpu_flags
 
 
 class quantized_engine:

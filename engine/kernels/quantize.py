@@ -20,7 +20,7 @@ from torch import nn
 
 from .int4 import Int4Linear
 from .packing import PackedLinear, packing_works, quantized_engine
-from .system import cpu_flags
+from ..machine import cpu_flags
 
 KERNEL_DTYPE = torch.bfloat16  # activations of CompactLinear's decode-sized products
 # Above this many rows (prefill) CompactLinear widens its weight and runs one matmul in the compute dtype: the

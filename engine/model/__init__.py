@@ -1,1 +1,2 @@
-"""The model: loading Qwen3-VL, its stages (encode, prefill, decode), the decode backend and the tests' tiny model."""
+"""The model: its runner (the core's one way to it), loading Qwen3-VL, its stages, the direct decode step and the decode
+backend, and the tests' tiny model."""

@@ -1,4 +1,4 @@
-"""The one place that chooses how decode runs and prepares its weights: the direct step (kernels/direct_step.py)
+"""The one place that chooses how decode runs and prepares its weights: the direct step (model/direct_step.py)
 compiled by segment, the direct step eager on packed weights, or transformers' own forward (plain kernels, or no
 KV cache).
 
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from ..config import INTEGER_DTYPES
-from ..kernels.direct_step import DirectDecodeStep
+from .direct_step import DirectDecodeStep
 from ..kernels.decode_attention import best as best_attention
 from ..kernels.packing import decode_rows, keeps_fp16_copy, pack_remaining_linears
 from .generate import attach_step, decode_one_token, prefill

@@ -29,7 +29,7 @@ from .memory_pages import release_freed_memory
 from ..kernels.int4 import best as best_int4
 from ..kernels.quantize import (INT8_WITHOUT_VNNI, LINEAR_KINDS, compute_in_float32_, has_int8_dot_product, linear_weight_bytes,
                        int8_vision_is_faster, quantize_int4_, quantize_int8_, quantize_vision_int8_)
-from ..kernels.system import bfloat16_matmul_is_faster
+from ..machine import bfloat16_matmul_is_faster
 
 log = logging.getLogger(__name__)
 

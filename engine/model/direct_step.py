@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from .decode_attention import SequenceKV, best as best_attention
-from .fusion import stacked_products
+from ..kernels.decode_attention import SequenceKV, best as best_attention
+from ..kernels.fusion import stacked_products
 
 # Keys and values are stored this many positions at a time: a request grows its buffers a few times at most.
 GROWTH = 256

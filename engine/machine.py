@@ -10,7 +10,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from ..environment import max_cpu_isa
+from .environment import max_cpu_isa
 
 # Flags as /proc/cpuinfo spells them, with what each means for this workload.
 ISA_FLAGS = {
