@@ -1,8 +1,9 @@
 """Connections that never become requests: a client that sends half a header and waits, or opens hundreds of
 connections from one address, holds sockets that no ASGI middleware ever sees, since uvicorn's HTTP protocols have
-no header timeout. So they are extended here, h11's and httptools' (which uvicorn picks where it is installed): a connection whose request headers are not complete within
-`api_header_seconds` of opening (or of its last response) is closed, and an address may hold at most
-`api_max_connections_per_address` HTTP connections at once (websockets, once upgraded, are the app's sessions)."""
+no header timeout. So they are extended here, h11's and httptools' (which uvicorn picks where it is installed): a
+connection whose request headers are not complete within `api_header_seconds` of opening (or of its last response)
+is closed, and an address may hold at most `api_max_connections_per_address` HTTP connections at once (websockets,
+once upgraded, are the app's sessions)."""
 from __future__ import annotations
 
 import logging

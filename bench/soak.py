@@ -176,8 +176,8 @@ def _warm(client: httpx.Client, base: str, kind: str) -> None:
         with tempfile.TemporaryDirectory() as folder:
             # as many frames as the hostile clips within the limits give the model: their steady state, not growth
             clip = make_clip(Path(folder) / "warm.mp4", seconds=20.0, fps=2, size=(640, 480)).read_bytes()
-        content = [{"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + base64.b64encode(clip).decode()}},
-                   {"type": "text", "text": "What happens?"}]
+        url = "data:video/mp4;base64," + base64.b64encode(clip).decode()
+        content = [{"type": "video_url", "video_url": {"url": url}}, {"type": "text", "text": "What happens?"}]
         body = {"max_tokens": 2, "messages": [{"role": "user", "content": content}]}
     else:
         body = {"max_tokens": 8, "messages": [{"role": "user", "content": "Answer."}], "response_format": {

@@ -127,8 +127,8 @@ class RemoteEngine(StreamingMixin):
 
     # ---- internals ----------------------------------------------------------------------------------------------
 
-    def _messages(self, job: RequestState) -> list[dict]:
-        images = iter(job.images)
+    def _messages(self, state: RequestState) -> list[dict]:
+        images = iter(state.images)
 
         def content(text: str, count: int):
             if not count:
@@ -141,33 +141,33 @@ class RemoteEngine(StreamingMixin):
                     "url": "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()}})
             return parts + [{"type": "text", "text": text}]
 
-        request = job.request
+        request = state.request
         messages = [{"role": t.role, "content": content(t.text, len(t.images))} for t in request.history]
         return messages + [{"role": "user", "content": content(request.prompt, len(request.images))}]
 
-    def _run(self, job: RequestState) -> None:
-        trace = job.trace
+    def _run(self, state: RequestState) -> None:
+        trace = state.trace
         trace.start()
         error: VlscopeError | None = None
         status = OK
-        request = job.request
-        body = {"model": self.model_name, "messages": self._messages(job), "stream": True,
-                "stream_options": {"include_usage": True}, "max_tokens": trace.max_new_tokens,
-                "temperature": trace.temperature, "top_p": trace.top_p}
-        if request.ignore_eos:
+        request, params = state.request, state.params
+        body = {"model": self.model_name, "messages": self._messages(state), "stream": True,
+                "stream_options": {"include_usage": True}, "max_tokens": params.max_new_tokens,
+                "temperature": params.temperature, "top_p": params.top_p}
+        if params.ignore_eos:
             body["ignore_eos"] = True  # understood by vLLM, llama.cpp and vlscope
-        if request.stop:
-            body["stop"] = list(request.stop)
+        if params.stop:
+            body["stop"] = list(params.stop)
         if request.json_schema is not None:  # the remote server holds its answer to the schema
             body["response_format"] = {"type": "json_schema", "json_schema": {
                 "name": "answer", "schema": json.loads(request.json_schema), "strict": True}}
-        if request.seed is not None:
-            body["seed"] = request.seed
-        if request.logit_bias:
-            body["logit_bias"] = {str(token): bias for token, bias in request.logit_bias}
+        if params.seed is not None:
+            body["seed"] = params.seed
+        if params.logit_bias:
+            body["logit_bias"] = {str(token): bias for token, bias in params.logit_bias}
         for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(request, name):
-                body[name] = getattr(request, name)
+            if getattr(params, name):
+                body[name] = getattr(params, name)
         rss_before = current_rss()
         try:
             trace.announce(UPLOAD)
@@ -177,13 +177,13 @@ class RemoteEngine(StreamingMixin):
                 if response.status_code != 200:
                     response.read()
                     raise _remote_error(response)
-                status = self._read_stream(job, trace, response)
+                status = self._read_stream(state, trace, response)
         except VlscopeError as exc:
             status, error = (REFUSED if isinstance(exc, (InvalidImage, PromptTooLong, Busy)) else ERROR), exc
         except httpx.HTTPError as exc:
             status, error = ERROR, GenerationFailed(f"the remote server failed: {type(exc).__name__}")
         except Exception as exc:  # whatever the remote sent, the request ends with an error and a record
-            log.exception("request %s: the remote server's answer could not be read", job.id)
+            log.exception("request %s: the remote server's answer could not be read", state.id)
             status, error = ERROR, GenerationFailed(f"the remote server's answer could not be read: "
                                                     f"{type(exc).__name__}")
         finally:
@@ -194,25 +194,25 @@ class RemoteEngine(StreamingMixin):
         try:
             trace.finish(status, error)
         except Exception:  # the record is written whatever the remote sent: without its figures, as an error
-            log.exception("request %s: its record could not be built; writing it without the server's figures", job.id)
+            log.exception("request %s: its record could not be built; writing it without the server's figures", state.id)
             trace.server_metrics = None
             trace.finish(ERROR, error or GenerationFailed("the remote server's answer could not be recorded"))
 
-    def _read_stream(self, job: RequestState, trace: RequestTrace, response) -> str:
+    def _read_stream(self, state: RequestState, trace: RequestTrace, response) -> str:
         started = time.perf_counter()
         chunk_times: list[float] = []
         dropped: list[str] = []
         try:
-            return self._read_lines(job, trace, response, started, chunk_times, dropped)
+            return self._read_lines(state, trace, response, started, chunk_times, dropped)
         finally:
             if dropped:
-                log.warning("request %s: dropped from the remote server's answer: %s", job.id, "; ".join(dropped[:5]))
+                log.warning("request %s: dropped from the remote server's answer: %s", state.id, "; ".join(dropped[:5]))
                 trace.server_metrics = dict(trace.server_metrics or {}, dropped=sorted(set(dropped))[:10])
 
-    def _read_lines(self, job: RequestState, trace: RequestTrace, response, started: float, chunk_times: list[float],
+    def _read_lines(self, state: RequestState, trace: RequestTrace, response, started: float, chunk_times: list[float],
                     dropped: list[str]) -> str:
         for line in response.iter_lines():
-            if job.cancelled.is_set():
+            if state.cancelled.is_set():
                 return CANCELLED  # leaving the with-block closes the connection: the server stops too
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -241,7 +241,7 @@ class RemoteEngine(StreamingMixin):
                     if len(chunk_times) == 1:
                         trace.first_token()
                         trace.announce(DECODE)
-                    job.events.put(TextChunk(text))
+                    state.events.put(TextChunk(text))
                 if choice.get("finish_reason") in ("stop", "length"):  # the server's word, from its own answers
                     trace.finish_reason = choice["finish_reason"]
             usage = data.get("usage")

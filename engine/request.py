@@ -88,6 +88,33 @@ class ChatRequest:
 
 
 @dataclass(frozen=True)
+class SamplingParams:
+    """How a request's answer is drawn and how long it may grow, settled once at intake from the request and the
+    engine's settings (as vLLM's SamplingParams): everything after reads these, never the settings again."""
+
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    seed: int | None
+    presence_penalty: float
+    frequency_penalty: float
+    logit_bias: tuple[tuple[int, float], ...]
+    top_logprobs: int | None
+    ignore_eos: bool
+    stop: tuple[str, ...]
+
+    @classmethod
+    def settle(cls, request: ChatRequest, config) -> SamplingParams:
+        """The request's own values where it set them, else the engine's settings (`config`)."""
+        return cls(max_new_tokens=request.max_new_tokens or config.max_new_tokens,
+                   temperature=config.temperature if request.temperature is None else request.temperature,
+                   top_p=config.top_p if request.top_p is None else request.top_p,
+                   seed=request.seed, presence_penalty=request.presence_penalty,
+                   frequency_penalty=request.frequency_penalty, logit_bias=request.logit_bias,
+                   top_logprobs=request.top_logprobs, ignore_eos=request.ignore_eos, stop=request.stop)
+
+
+@dataclass(frozen=True)
 class Queued:
     """The request waits; `position` requests are ahead of it (0: it runs next)."""
 

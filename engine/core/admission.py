@@ -10,7 +10,7 @@ import time
 import torch
 
 from ..errors import GenerationFailed, InsufficientMemory, PromptTooLong, VlscopeError
-from ..inputs.limits import check_memory
+from ..inputs.limits import check_length, check_memory
 from ..inputs.preprocess import image_grids, ocr_pictures, patchify_images, prepare_input
 from ..records.metrics import PeakRss
 from ..structured.matcher import GrammarMatcher
@@ -93,8 +93,12 @@ class Admission:
             with trace.stage(OCR_ENHANCE):
                 self.pictures = ocr_pictures(state)
         with trace.stage(PREPROCESS):
-            self.prepared = prepare_input(state, self.pictures, core.runner.loaded, core.config,
-                                          core.info.context_length)
+            self.prepared = prepared = prepare_input(state, self.pictures, core.runner.loaded, core.config)
+            trace.resized_sizes, trace.vision_tokens = prepared.picture_sizes, prepared.vision_tokens
+            trace.prompt_tokens = prepared.prompt_tokens
+            # before any compute: a prompt that cannot fit is refused here, with its counts on record
+            check_length(prepared.prompt_tokens, state.params.max_new_tokens, core.config.max_input_tokens,
+                         core.info.context_length)
         return self._wait_for_memory(running)
 
     def _wait_for_memory(self, running):
@@ -102,8 +106,9 @@ class Admission:
         the room the running answers hold, it waits a decode step at a time until they end."""
         core, trace = self.core, self.trace
         try:
-            check_memory(core.runner.model_config, self.prepared.sizes, trace.prompt_tokens, trace.max_new_tokens,
-                         core.runner.loaded.compute_dtype, core.runner.float32_decode_cache,
+            check_memory(core.runner.model_config, self.prepared.sizes, trace.prompt_tokens,
+                         self.state.params.max_new_tokens, core.runner.loaded.compute_dtype,
+                         core.runner.float32_decode_cache,
                          core.config.memory_limit_bytes, core.reserved_bytes(running))
         except InsufficientMemory:
             if not running:
@@ -169,20 +174,20 @@ class Admission:
         return self._first_token(self.prefill.logits, decode_state)
 
     def _first_token(self, logits, decode_state):
-        core, state, trace, request = self.core, self.state, self.trace, self.state.request
+        core, state, trace, params = self.core, self.state, self.trace, self.state.params
         sampler = Sampler(
-            temperature=trace.temperature,
-            top_p=trace.top_p,
-            generator=core.generator if request.seed is None else torch.Generator().manual_seed(request.seed),
-            presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
-            logit_bias=request.logit_bias, top_logprobs=request.top_logprobs,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            generator=core.generator if params.seed is None else torch.Generator().manual_seed(params.seed),
+            presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
+            logit_bias=params.logit_bias, top_logprobs=params.top_logprobs,
             grammar=(GrammarMatcher(state.grammar, core.runner.loaded.vocab_size, core.runner.loaded.eos_token_ids)
                      if state.grammar is not None else None),
         )
         with trace.stage(PREFILL, announce=False):
             token = sampler(logits)
-        stop_ids = set() if request.ignore_eos else set(core.runner.loaded.eos_token_ids)
-        output = SequenceOutput(core.runner.loaded.tokenizer, request.stop, stop_ids, state.events.put,
+        stop_ids = set() if params.ignore_eos else set(core.runner.loaded.eos_token_ids)
+        output = SequenceOutput(core.runner.loaded.tokenizer, params.stop, stop_ids, state.events.put,
                                 sampler.logprobs)
         with trace.stage(DETOKENIZE, announce=False):
             output.take(token, complete=sampler.done)
@@ -191,7 +196,7 @@ class Admission:
         state.decoding = Decoding(decode_state, sampler, output, self.prepared.keys, self.spans, token,
                                   [self.rss.before, self.rss.peak])
         state.status = DECODING
-        if output.stopped or output.tokens >= trace.max_new_tokens or state.cancelled.is_set():
+        if output.stopped or output.tokens >= state.params.max_new_tokens or state.cancelled.is_set():
             core.finish(state)
         else:
             trace.announce(DECODE)

@@ -118,7 +118,7 @@ class EngineCore:
             masks = self.masks.submit(fill_masks, grammars) if grammars else None
             try:
                 with torch.inference_mode():
-                    logits = self.runner.decode([state.decoding.state for state in live],
+                    logits = self.runner.decode([state.decoding.sequence for state in live],
                                                 [state.decoding.token for state in live])
             except Exception as exc:
                 log.exception("a decode step of %d request(s) failed", len(live))
@@ -145,7 +145,7 @@ class EngineCore:
                     continue
                 with trace.stage(DETOKENIZE, announce=False):
                     decoding.output.take(decoding.token, complete=decoding.sampler.done)
-                if decoding.output.stopped or decoding.output.tokens >= trace.max_new_tokens:
+                if decoding.output.stopped or decoding.output.tokens >= state.params.max_new_tokens:
                     ended.append(state)
         for state in ended:
             self.finish(state, errors.get(state))
@@ -159,9 +159,9 @@ class EngineCore:
         trace, decoding = state.trace, state.decoding
         cancelled = state.cancelled.is_set()
         try:
-            self.runner.detach(decoding.state)
-            if decoding.state.cache is not None and error is None:  # prompt and answer so far: the next turn's start
-                self.prefix_cache.put(CachedSequence(decoding.state.tokens, decoding.state.cache, decoding.keys,
+            self.runner.detach(decoding.sequence)
+            if decoding.sequence.cache is not None and error is None:  # prompt and answer so far: the next turn's start
+                self.prefix_cache.put(CachedSequence(decoding.sequence.tokens, decoding.sequence.cache, decoding.keys,
                                                      decoding.spans))
         except Exception:
             log.exception("request %s: its cache could not be kept", state.id)
@@ -181,9 +181,9 @@ class EngineCore:
     def reserved_bytes(self, running: list[RequestState]) -> int:
         """Keys and values the running answers will still add, up to their length limits."""
         kv_bytes = self.runner.kv_bytes
-        return sum(max(0, kv_bytes(state.trace.prompt_tokens + state.trace.max_new_tokens)
-                          - kv_bytes(state.decoding.state.tokens.shape[1]))
-                   for state in running if state.decoding is not None and state.decoding.state.kv is not None)
+        return sum(max(0, kv_bytes(state.trace.prompt_tokens + state.params.max_new_tokens)
+                          - kv_bytes(state.decoding.sequence.tokens.shape[1]))
+                   for state in running if state.decoding is not None and state.decoding.sequence.kv is not None)
 
     def release(self) -> None:
         """The decode step's weights and compiled code go (after any step still running)."""

@@ -8,7 +8,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from ..request import ChatRequest, Queued
+from ..request import ChatRequest, Queued, SamplingParams
 from ..records.trace import RequestTrace
 
 WAITING, DECODING, FINISHED = "waiting", "decoding", "finished"  # admitting: `admission` is set
@@ -16,10 +16,10 @@ WAITING, DECODING, FINISHED = "waiting", "decoding", "finished"  # admitting: `a
 
 @dataclass(eq=False)
 class Decoding:
-    """What a request decodes with once its first token exists: its place in the model (a DecodeState), its sampler,
+    """What a request decodes with once its first token exists: its sequence in the model (a DecodeState), its sampler,
     its output processing, and the keys under which the prefix cache keeps its conversation."""
 
-    state: object  # model.generate.DecodeState
+    sequence: object  # model.generate.DecodeState: its tokens, positions and keys and values in the model
     sampler: object  # core.sampling.Sampler
     output: object  # core.output.SequenceOutput
     keys: tuple  # its images' cache keys and token spans
@@ -35,6 +35,7 @@ class RequestState:
     def __init__(self, request: ChatRequest, info, config, store, cancelled: threading.Event | None = None):
         self.id = uuid.uuid4().hex
         self.request = request
+        self.params = SamplingParams.settle(request, config)  # settled once, here; read by everything after
         self.submitted_at = time.time()
         self.submitted_perf = time.perf_counter()
         self.enqueued_perf = self.submitted_perf  # set again when it enters the queue, after its images are checked

@@ -9,7 +9,7 @@ import torch
 from PIL import Image
 
 from .ocr import enhance_for_ocr
-from .limits import check_length, fit_to_budget, vision_token_count
+from .limits import fit_to_budget, vision_token_count
 
 
 @dataclass
@@ -155,18 +155,24 @@ class PreparedInput:
     sizes: list[tuple[int, int]]  # each vision item's size: a picture within the image token budget, a clip's frames
     keys: tuple[str, ...]  # each vision item's identity for the prefix cache: content hash, enhancement, size
     items: list  # the vision items in prompt order: pictures, and pairs of a clip's frames
+    picture_sizes: tuple[tuple[int, int], ...]  # each picture as the model sees it, for the record
+    vision_tokens: int
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.prompt.input_ids.shape[1]
 
 
-def ocr_pictures(job) -> list:
-    return [enhance_for_ocr(image.image) for image in job.images]
+def ocr_pictures(state) -> list:
+    return [enhance_for_ocr(image.image) for image in state.images]
 
 
-def vision_items(job, pictures: list, sizes: list, user_turns: list) -> tuple[list, list, list]:
+def vision_items(state, pictures: list, sizes: list, user_turns: list) -> tuple[list, list, list]:
     """The conversation's pictures and its clips' pairs of frames in the order the prompt holds them (per user turn
     its pictures, then its clips), with each one's size and prefix-cache key."""
-    request = job.request
+    request = state.request
     items, item_sizes, keys = [], [], []
-    pictures_left, clips_left = iter(zip(job.images, pictures, sizes)), iter(job.videos)
+    pictures_left, clips_left = iter(zip(state.images, pictures, sizes)), iter(state.videos)
     for images, videos in user_turns:
         for _ in range(images):
             image, picture, (width, height) = next(pictures_left)
@@ -182,10 +188,10 @@ def vision_items(job, pictures: list, sizes: list, user_turns: list) -> tuple[li
     return items, item_sizes, keys
 
 
-def prepare_input(job, pictures: list, loaded, config, context_length: int) -> PreparedInput:
-    """Template and tokens of `job`'s conversation with its `pictures` fitted to the image budget and its clips'
-    frames as planned; raises PromptTooLong before any compute when it cannot fit."""
-    request = job.request
+def prepare_input(state, pictures: list, loaded, config) -> PreparedInput:
+    """Template and tokens of the conversation of `state` (core/request_state.py) with its `pictures` fitted to the
+    image budget and its clips' frames as planned, and what they count."""
+    request = state.request
     sizes = [fit_to_budget(*picture.size, config.min_pixels, config.max_pixels) for picture in pictures]
     user_turns = [(len(turn.images), len(turn.videos)) for turn in request.history if turn.role == "user"]
     user_turns.append((len(request.images), len(request.videos)))
@@ -193,11 +199,8 @@ def prepare_input(job, pictures: list, loaded, config, context_length: int) -> P
                              request.prompt_role, [videos for _, videos in user_turns])
     tools = template_tools(request.tools if request.tool_choice != "none" else ())
     prompt = tokenize_prompt(loaded.tokenizer, messages, sizes, loaded.image_token_id, tools,
-                             [clip.plan for clip in job.videos], loaded.video_token_id)
-    items, item_sizes, keys = vision_items(job, pictures, sizes, user_turns)
-    trace = job.trace
-    trace.resized_sizes = tuple(sizes)
-    trace.vision_tokens = sum(vision_token_count(size) for size in item_sizes)
-    trace.prompt_tokens = prompt.input_ids.shape[1]
-    check_length(trace.prompt_tokens, trace.max_new_tokens, config.max_input_tokens, context_length)
-    return PreparedInput(prompt, item_sizes, tuple(keys), items)
+                             [clip.plan for clip in state.videos], loaded.video_token_id)
+    items, item_sizes, keys = vision_items(state, pictures, sizes, user_turns)
+    prepared = PreparedInput(prompt, item_sizes, tuple(keys), items, tuple(sizes),
+                             sum(vision_token_count(size) for size in item_sizes))
+    return prepared

@@ -32,14 +32,10 @@ class RequestTrace:
     """One request's books, from submission to its stored record. Written by one thread at a time: the caller's
     until the request is queued, then the worker's."""
 
-    def __init__(self, job, info, config: EngineConfig, store):
-        """`job`: the request's state (core/request_state.py), whose part these books are."""
-        self.job, self.info, self.config, self.store = job, info, config, store
-        request = job.request
-        # The settings this request runs with, resolved once: its own where it set them, else the engine's.
-        self.max_new_tokens: int = request.max_new_tokens or config.max_new_tokens
-        self.temperature: float = config.temperature if request.temperature is None else request.temperature
-        self.top_p: float = config.top_p if request.top_p is None else request.top_p
+    def __init__(self, state, info, config: EngineConfig, store):
+        """`state`: the request's state (core/request_state.py), whose part these books are; its sampling
+        parameters were settled there, and are written down here as they are."""
+        self.state, self.info, self.config, self.store = state, info, config, store
         # What it processed and what it cost; filled as stages end.
         self.seconds: dict[str, float] = {}
         self.started_at: float | None = None
@@ -76,7 +72,7 @@ class RequestTrace:
                     {"document": image.document, "page": image.page, "rendered": list(image.original_size),
                      "vision_tokens": vision_token_count(fit_to_budget(*image.original_size, self.config.min_pixels,
                                                                        self.config.max_pixels))}
-                    for image in self.job.images if image.page is not None)
+                    for image in self.state.images if image.page is not None)
 
     # ---- stages ---------------------------------------------------------------------------------------------------
 
@@ -92,7 +88,7 @@ class RequestTrace:
             self.add(name, time.perf_counter() - started)
 
     def announce(self, name: str) -> None:
-        self.job.events.put(StageStarted(name))
+        self.state.events.put(StageStarted(name))
 
     def add(self, name: str, seconds: float) -> None:
         self.seconds[name] = self.seconds.get(name, 0.0) + seconds
@@ -105,7 +101,7 @@ class RequestTrace:
     def first_token(self) -> None:
         """The first answer text exists now (only the first call counts)."""
         if self.ttft_s is None:
-            self.ttft_s = time.perf_counter() - self.job.submitted_perf
+            self.ttft_s = time.perf_counter() - self.state.submitted_perf
 
     # ---- the record -----------------------------------------------------------------------------------------------
 
@@ -113,7 +109,7 @@ class RequestTrace:
         """The worker took the request. It goes on record before any compute: if the process dies now, the next
         start relabels it interrupted."""
         self.started_at = time.time()
-        self.queue_wait_s = time.perf_counter() - self.job.enqueued_perf
+        self.queue_wait_s = time.perf_counter() - self.state.enqueued_perf
         self.store.add(self.record(RUNNING))
 
     def finish(self, status: str, error: BaseException | None = None) -> RequestMetrics:
@@ -123,24 +119,24 @@ class RequestTrace:
         if self.config.store_content:
             self._save_images()
         self.store.add(metrics)
-        self.job.finished.set()
+        self.state.finished.set()
         if error is not None:
             error.metrics = metrics
-            self.job.events.put(error)
+            self.state.events.put(error)
         else:
-            self.job.events.put(metrics)
+            self.state.events.put(metrics)
         return metrics
 
     def record(self, status: str, error: BaseException | None = None) -> RequestMetrics:
-        job, config, info, request = self.job, self.config, self.info, self.job.request
+        state, config, info, request = self.state, self.config, self.info, self.state.request
         rss = self.rss_bytes or (current_rss(),) * 3
         store_content = config.store_content
         return RequestMetrics(
-            id=job.id,
+            id=state.id,
             status=status,
             source=request.source,
             warmup=request.warmup,
-            submitted_at=job.submitted_at,
+            submitted_at=state.submitted_at,
             finished_at=time.time(),
             model=info.model,
             synthetic=info.synthetic or bool((self.server_metrics or {}).get("synthetic", False)),
@@ -152,10 +148,10 @@ class RequestTrace:
             decode_weight_bytes=info.decode_weight_bytes,
             min_pixels=config.min_pixels,
             max_pixels=config.max_pixels,
-            max_new_tokens=self.max_new_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            image_sizes=tuple(image.original_size for image in job.images),
+            max_new_tokens=state.params.max_new_tokens,
+            temperature=state.params.temperature,
+            top_p=state.params.top_p,
+            image_sizes=tuple(image.original_size for image in state.images),
             resized_sizes=self.resized_sizes if self.resized_sizes is not None else self._budget_sizes(),
             vision_tokens=self.vision_tokens,
             prompt_tokens=self.prompt_tokens,
@@ -171,7 +167,7 @@ class RequestTrace:
             ttft_s=self.ttft_s,
             decode_tokens_per_s=self._decode_tokens_per_s(),
             finish_reason=self.finish_reason,
-            e2e_s=time.perf_counter() - job.submitted_perf,
+            e2e_s=time.perf_counter() - state.submitted_perf,
             rss_before_bytes=rss[0],
             rss_peak_bytes=rss[1],
             rss_after_bytes=rss[2],
@@ -199,7 +195,7 @@ class RequestTrace:
     def _budget_sizes(self) -> tuple[tuple[int, int], ...]:
         config = self.config
         return tuple(fit_to_budget(*image.image.size, config.min_pixels, config.max_pixels)
-                     for image in self.job.images)
+                     for image in self.state.images)
 
     def _save_images(self) -> None:
         """With content storage on, the request's pictures go beside the database, owner-only like it."""
@@ -207,7 +203,7 @@ class RequestTrace:
         try:
             folder.mkdir(mode=0o700, parents=True, exist_ok=True)
             folder.chmod(0o700)
-            for image in self.job.images:
+            for image in self.state.images:
                 target = folder / f"{image.sha256}.png"
                 if not target.exists():
                     with os.fdopen(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as file:

@@ -135,7 +135,8 @@ def _try(tokenizer, grammar: str, limits: dict) -> dict:
         forced = matcher.compute_ff_tokens()
         if len(forced) > MAX_FORCED_TOKENS:
             return dict(error=f"it forces over {MAX_FORCED_TOKENS} tokens before any choice (a required property "
-                              "that contains itself?): no answer could finish it", seconds=time.perf_counter() - started)
+                              "that contains itself?): no answer could finish it",
+                        seconds=time.perf_counter() - started)
         if forced:
             trial = matcher.deep_copy()  # stepping through them is where a grammar too large to step says so
             trial.consume_tokens(forced)

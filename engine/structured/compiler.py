@@ -182,7 +182,8 @@ class GrammarCompiler:
                 self._cache.move_to_end(key)
         if found is None:
             try:
-                found = dataclasses.replace(self._compile(key, config), forget=lambda refusal: self._forget(key, refusal))
+                found = dataclasses.replace(self._compile(key, config),
+                                            forget=lambda refusal: self._forget(key, refusal))
             except InvalidSchema as exc:
                 found = Refusal(exc.message, exc.kind, "response_format" if key[0] == "json_schema" else "tools")
             self._keep(key, found, config)
@@ -194,8 +195,9 @@ class GrammarCompiler:
         """Into the cache, the oldest out past its entries or its bytes (a grammar's, as its trial measured)."""
         with self._lock:
             self._cache[key] = found
-            while len(self._cache) > 1 and (len(self._cache) > config.grammar_cache_entries or
-                                            sum(item.bytes for item in self._cache.values()) > config.grammar_cache_bytes):
+            while len(self._cache) > 1 and (
+                    len(self._cache) > config.grammar_cache_entries
+                    or sum(item.bytes for item in self._cache.values()) > config.grammar_cache_bytes):
                 self._cache.popitem(last=False)
 
     def _forget(self, key: tuple, refusal: Refusal) -> None:
