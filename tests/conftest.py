@@ -15,7 +15,7 @@ sys.path.insert(0, str(ROOT))
 # test_compiled_decode_step_gives_the_eager_tokens covers it. Servers, AppTest and the bench inherit this.
 os.environ.setdefault("VLSCOPE_COMPILE", "off")
 
-from engine import Engine, EngineConfig  # noqa: E402
+from engine import ChatRequest, Engine, EngineConfig, RequestMetrics, TextChunk  # noqa: E402
 from engine.config import SKELETON_DIR  # noqa: E402
 from engine.environment import shared_dir  # noqa: E402
 from engine.model.tiny import make_tiny  # noqa: E402
@@ -89,3 +89,24 @@ def app_on_tiny(tiny_model, tmp_path, monkeypatch):
     shutdown()
     yield lambda: AppTest.from_file(str(ROOT / "streamlit_app.py"), default_timeout=120)
     shutdown()
+
+
+def collect(engine: Engine, request: ChatRequest) -> tuple[str, list, RequestMetrics]:
+    """A request's whole answer, its events and its record, streamed."""
+    text, events = [], []
+    for event in engine.stream(request):
+        events.append(event)
+        if isinstance(event, TextChunk):
+            text.append(event.text)
+    return "".join(text), events, events[-1]
+
+
+def engine_answer(handle) -> tuple[str, RequestMetrics]:
+    """A submitted request's whole answer and its record."""
+    text = []
+    for event in handle.events():
+        if isinstance(event, TextChunk):
+            text.append(event.text)
+        elif isinstance(event, RequestMetrics):
+            return "".join(text), event
+    raise AssertionError("no metrics")

@@ -44,8 +44,8 @@ def test_kernel_tests_pass_under_avx2_dispatch(tmp_path):
     env = {**os.environ, **AVX2_DISPATCH, "PYTHONDONTWRITEBYTECODE": "1"}
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-m", "kernels", "-p", "no:cacheprovider", "--basetemp",
-         str(tmp_path / "avx2"), "tests/test_engine.py", "tests/test_direct_step.py", "tests/test_decode_attention.py", "tests/test_int4.py",
-         "tests/test_isa.py"],
+         str(tmp_path / "avx2"), "tests/test_model.py", "tests/test_kernels_products.py", "tests/test_direct_step.py",
+         "tests/test_decode_attention.py", "tests/test_int4.py", "tests/test_isa.py"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     tail = "\n".join(result.stdout.splitlines()[-40:])
     assert result.returncode == 0, f"kernel tests under AVX2 dispatch (hiding {', '.join(above)}):\n{tail}"
