@@ -114,37 +114,32 @@ def deep_frames(size: tuple[int, int] = (4072, 4072), count: int = 40, fps: int 
 
 def long_gif(frames: int = 20_000, size: tuple[int, int] = (32, 32), fps: int = 50) -> bytes:
     """A GIF of `frames` small frames: GIF has no keyframe index, so each seek lands on its first frame."""
-    av = _av()
-    width, height = size
-    buffer = io.BytesIO()
-    with av.open(buffer, "w", format="gif") as output:
-        stream = output.add_stream("gif", rate=fps)
-        stream.width, stream.height, stream.pix_fmt = width, height, "rgb8"
-        pixels = np.zeros((height, width, 3), np.uint8)
-
-        def each():
-            for index in range(frames):
-                pixels[:4, :4] = (index % 200, 0, 0)
-                yield pixels
-        _encode(output, stream, each())
-    return buffer.getvalue()
+    return _encoded("gif", "gif", fps, size, "rgb8", _marked_frames(frames, size, 4))
 
 
 def one_keyframe(seconds: int = 1200, fps: int = 1, size: tuple[int, int] = (3840, 2160)) -> bytes:
     """An H.264 MP4 of `seconds` at `fps` whose only keyframe is its first: a seek anywhere lands at the start."""
-    av = _av()
-    width, height = size
     count = seconds * fps
-    buffer = io.BytesIO()
-    with av.open(buffer, "w", format="mp4") as output:
-        stream = output.add_stream("libx264", rate=fps, options={
-            "preset": "ultrafast", "x264-params": f"keyint={count + 1}:min-keyint={count + 1}:scenecut=0"})
-        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-        pixels = np.zeros((height, width, 3), np.uint8)
+    return _encoded("mp4", "libx264", fps, size, "yuv420p", _marked_frames(count, size, 16), {
+        "preset": "ultrafast", "x264-params": f"keyint={count + 1}:min-keyint={count + 1}:scenecut=0"})
 
-        def each():
-            for index in range(count):
-                pixels[:16, :16] = index % 250
-                yield pixels
-        _encode(output, stream, each())
+
+def _marked_frames(count: int, size: tuple[int, int], mark: int):
+    """`count` black frames of `size`, each told apart by a small square of its own shade in a corner."""
+    width, height = size
+    pixels = np.zeros((height, width, 3), np.uint8)
+    for index in range(count):
+        pixels[:mark, :mark] = index % 200
+        yield pixels
+
+
+def _encoded(container: str, codec: str, fps: int, size: tuple[int, int], pix_fmt: str, frames,
+             options: dict | None = None) -> bytes:
+    """`frames` (RGB arrays) encoded as one stream of a new `container` file, in memory."""
+    av = _av()
+    buffer = io.BytesIO()
+    with av.open(buffer, "w", format=container) as output:
+        stream = output.add_stream(codec, rate=fps, options=options or {})
+        stream.width, stream.height, stream.pix_fmt = *size, pix_fmt
+        _encode(output, stream, frames)
     return buffer.getvalue()
