@@ -51,8 +51,8 @@ class Admission:
         self.prepared = self.pictures = self.reused = self.patches = self.grids = None
         self.start = 0  # prompt tokens the prefix cache holds
         self.spans: tuple = ()
-        self.encoding: VisionEncoding | None = None
-        self.prefill: ChunkedPrefill | None = None
+        self.encoding = None  # the runner's vision encode in pieces, once it began
+        self.prefill = None  # the runner's chunked prefill, once it began
         self.chunk = FIRST_PREFILL_CHUNK
         self.chunked = False  # in chunks: it began beside running answers
         self.begun = False

@@ -285,7 +285,6 @@ def decode_frames(header: VideoHeader, plan: VideoPlan, *, max_decode_megapixels
     frame outlives its turn; a frame missing from a clip cut short is the last one decoded before it.
     Every frame is held to the header's pixel limit and the decode budget; between frames the clip yields to other
     clips' frames and stops (Cancelled) once `cancelled()` says so."""
-    av = _av()
     budget = DecodeBudget(header.name, max_decode_megapixels, max_decode_seconds)
     frames: list[Image.Image | None] = [None] * len(plan.frame_times)
     try:
