@@ -1,7 +1,8 @@
 """How large a request body a server takes: one number for the single server and for a cluster's front."""
 from __future__ import annotations
 
-from engine.config import EngineConfig, ServerSettings
+from engine.config import EngineConfig
+from server.settings import ServerSettings
 
 
 def body_limit(server: ServerSettings, config: EngineConfig) -> int:

@@ -1,9 +1,9 @@
-"""Every setting vlscope has, read in this one module: the engine's (`EngineConfig`) and the server's
-(`ServerSettings`: who may call the API and the app, what the API accepts).
+"""The engine's settings (`EngineConfig`), and the one reader of every `VLSCOPE_*` setting, the server's too
+(server/settings.py declares those: who may call the API and the app, what the API accepts).
 
-Each comes from, in rising order of precedence: its default here, the `[vlscope]` table of Streamlit's
-`secrets.toml` (`~/.streamlit/` then `./.streamlit/`, or the table the app passes from `st.secrets`), and a
-`VLSCOPE_<NAME>` environment variable. No other module reads `VLSCOPE_*` variables."""
+Each comes from, in rising order of precedence: its default, the `[vlscope]` table of Streamlit's `secrets.toml`
+(`~/.streamlit/` then `./.streamlit/`, or the table the app passes from `st.secrets`), and a `VLSCOPE_<NAME>`
+environment variable. No other module reads `VLSCOPE_*` variables."""
 from __future__ import annotations
 
 import dataclasses
@@ -160,61 +160,7 @@ class EngineConfig:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides) -> "EngineConfig":
         """The configured settings (see the module's docstring); explicit overrides win."""
-        return load_settings(env).engine.replace(**{k: v for k, v in overrides.items() if v is not None})
-
-
-@dataclass(frozen=True)
-class ServerSettings:
-    """Who may reach the server and what its API accepts."""
-
-    # API keys: when any is set, the API answers 401 without `Authorization: Bearer <key>`.
-    api_keys: tuple[str, ...] = ()
-    # Hosts the API may fetch http(s) image URLs from; empty: images come only as data: URLs.
-    api_image_hosts: tuple[str, ...] = ()
-    # 0: what an allowed request can need, one image at max_image_bytes in base64 plus 1 MiB of text and structure.
-    api_max_body_bytes: int = 0
-    # A request body must arrive within this many seconds: a client sending a byte a second is cut off.
-    api_body_seconds: float = 30.0
-    # A connection's request headers must be complete this long after it opens (or after its last response).
-    api_header_seconds: float = 10.0
-    # HTTP connections one client address may hold open at once (the app's websockets are not counted).
-    api_max_connections_per_address: int = 64
-    # Image URLs from the allowed hosts may resolve to loopback, private or link-local addresses (off: refused, so
-    # a redirect or a DNS answer cannot point the server at its own network).
-    api_image_private_networks: bool = False
-    api_image_fetch_seconds: float = 10.0  # one image URL's whole fetch, redirects included
-    # vLLM's `ignore_eos` for API clients: a request that ignores end tokens holds the worker for max_tokens.
-    api_allow_ignore_eos: bool = False
-    # Host header values the API answers besides this machine's names and IP literals (DNS rebinding guard).
-    allowed_hosts: tuple[str, ...] = ()
-    # Web origins (https://tool.example) whose pages may call the API from a browser; others are refused.
-    allowed_origins: tuple[str, ...] = ()
-    # A shared password for the app, for a small team without an OIDC provider.
-    app_password: str = ""
-    # Failed passwords within five minutes from one browser session or client address before it is locked out.
-    sign_in_attempts: int = 10
-    # Who may change the Settings page when sign-in is on: signed-in users with these emails (OIDC), or anyone who
-    # enters the admin password. With sign-in off, everyone who reaches the app is an admin.
-    admins: tuple[str, ...] = ()
-    admin_password: str = ""
-    # What the app loads when the configured hub model cannot be reached.
-    fallback_model: str = str(SKELETON_DIR)
-
-    def __post_init__(self) -> None:
-        if self.api_max_body_bytes < 0:
-            raise ValueError("api_max_body_bytes must be >= 0 (0: sized to the image limit)")
-        if self.api_body_seconds <= 0 or self.api_header_seconds <= 0:
-            raise ValueError("api_body_seconds and api_header_seconds must be above 0")
-        if self.sign_in_attempts < 1:
-            raise ValueError("sign_in_attempts must be at least 1")
-        if self.api_max_connections_per_address < 1:
-            raise ValueError("api_max_connections_per_address must be at least 1")
-
-
-@dataclass(frozen=True)
-class Settings:
-    engine: EngineConfig
-    server: ServerSettings
+        return read_settings(cls, env).replace(**{k: v for k, v in overrides.items() if v is not None})
 
 
 def secrets_table(paths: tuple[Path, ...] | None = None) -> dict:
@@ -231,35 +177,32 @@ def secrets_table(paths: tuple[Path, ...] | None = None) -> dict:
     return table
 
 
-def load_settings(env: Mapping[str, str] | None = None, secrets: Mapping | None = None) -> Settings:
-    """Every setting: `VLSCOPE_<NAME>` from `env` (default os.environ) over `secrets` (default: the secrets files'
-    `[vlscope]` table) over the defaults. Raises ValueError naming the setting when a value does not parse."""
+def read_settings(cls, env: Mapping[str, str] | None = None, secrets: Mapping | None = None):
+    """A settings class (`EngineConfig`, or the server's ServerSettings) filled from `VLSCOPE_<NAME>` in `env`
+    (default os.environ) over `secrets` (default: the secrets files' `[vlscope]` table) over its defaults. Raises
+    ValueError naming the setting when a value does not parse."""
     env = os.environ if env is None else env
     secrets = secrets_table() if secrets is None else secrets
-
-    def values(cls) -> dict:
-        found: dict = {}
-        for field in dataclasses.fields(cls):
-            raw = env.get(f"VLSCOPE_{field.name.upper()}")
-            if raw is None and field.name in ENV_ALIASES:
-                raw = env.get(ENV_ALIASES[field.name])
-            if raw is None and field.name in secrets:
-                raw = _as_text(secrets[field.name])
-            if raw is None or raw == "":
-                continue
-            found[field.name] = _parse(field.name, raw, field.type)
-        return found
-
-    return Settings(EngineConfig(**values(EngineConfig)), ServerSettings(**values(ServerSettings)))
+    found: dict = {}
+    for field in dataclasses.fields(cls):
+        raw = env.get(variable(field.name))
+        if raw is None and field.name in ENV_ALIASES:
+            raw = env.get(ENV_ALIASES[field.name])
+        if raw is None and field.name in secrets:
+            raw = _as_text(secrets[field.name])
+        if raw is None or raw == "":
+            continue
+        found[field.name] = _parse(field.name, raw, field.type)
+    return cls(**found)
 
 
-def setting_names() -> list[str]:
-    """Every setting's environment variable name, in the order the classes declare them."""
-    return [variable(field.name) for cls in (EngineConfig, ServerSettings) for field in dataclasses.fields(cls)]
+def setting_names(*classes) -> list[str]:
+    """Every setting's environment variable name, in the order the classes (default EngineConfig) declare them."""
+    return [variable(field.name) for cls in classes or (EngineConfig,) for field in dataclasses.fields(cls)]
 
 
 def variable(name: str) -> str:
-    """The environment variable of the setting `name` (a field of EngineConfig or ServerSettings)."""
+    """The environment variable of the setting `name` (a field of EngineConfig or the server's ServerSettings)."""
     return f"VLSCOPE_{name.upper()}"
 
 

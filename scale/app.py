@@ -4,7 +4,7 @@ from __future__ import annotations
 from ray import serve
 from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
-from engine.config import load_settings
+from server.settings import load_settings
 
 from .front import Front
 from .replica import Replica

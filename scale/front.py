@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse, PlainTextResponse
 from api.body import body_limit
 from api.errors import ApiError, error_response
 from api.guard import ServerGuard, authorized
-from engine.config import load_settings
+from server.settings import load_settings
 
 from .conversation import conversation_key
 from .metrics import cluster_metrics

@@ -57,7 +57,8 @@ class Replica:
     async def __init__(self, settings: dict[str, str], front_name: str):
         from pathlib import Path
 
-        from engine.config import load_settings, variable
+        from engine.config import variable
+        from server.settings import load_settings
 
         from .ports import serve_grpc_on_node_address
         serve_grpc_on_node_address()

@@ -1,1 +1,1 @@
-"""What the UI and the API share in one server process: the engine slot and the settings in force."""
+"""What the UI and the API share in one server process: the server's settings, the engine slot, sign-in state."""

@@ -15,8 +15,10 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 from engine import SKELETON_DIR, Engine, EngineConfig, MetricsStore, ModelUnavailable, open_store
-from engine.config import ServerSettings, Settings, load_settings, looks_like_hub_id, secrets_table
+from engine.config import looks_like_hub_id, secrets_table
 from engine.remote import RemoteEngine
+
+from .settings import ServerSettings, Settings, load_settings
 
 
 log = logging.getLogger(__name__)
