@@ -206,11 +206,11 @@ def variable(name: str) -> str:
     return f"VLSCOPE_{name.upper()}"
 
 
-def settings_in_environment(env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The settings variables set in `env` (default os.environ), aliases included: what another process of the same
-    server (a cluster's replica) must be given to serve alike."""
+def settings_in_environment(*classes, env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The variables of the settings `classes` (default EngineConfig) set in `env` (default os.environ), aliases
+    included: what another process of the same server (a cluster's replica) must be given to serve alike."""
     env = os.environ if env is None else env
-    names = set(setting_names()) | set(ENV_ALIASES.values())
+    names = set(setting_names(*classes)) | set(ENV_ALIASES.values())
     return {name: value for name, value in env.items() if name in names}
 
 

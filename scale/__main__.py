@@ -40,8 +40,9 @@ def parse(argv=None) -> argparse.Namespace:
 
 
 def replica_settings(args) -> dict[str, str]:
-    from engine.config import settings_in_environment, variable
-    settings = settings_in_environment()
+    from engine.config import variable
+    from server.settings import server_settings_in_environment
+    settings = server_settings_in_environment()
     for name in ("dtype", "model"):
         if getattr(args, name):
             settings[variable(name)] = getattr(args, name)

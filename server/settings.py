@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-from engine.config import SKELETON_DIR, EngineConfig, read_settings, setting_names
+from engine.config import SKELETON_DIR, EngineConfig, read_settings, setting_names, settings_in_environment
 
 
 @dataclass(frozen=True)
@@ -70,3 +70,9 @@ def load_settings(env: Mapping[str, str] | None = None, secrets: Mapping | None 
 def all_setting_names() -> list[str]:
     """Every setting's environment variable name: the engine's, then the server's."""
     return setting_names(EngineConfig, ServerSettings)
+
+
+def server_settings_in_environment() -> dict[str, str]:
+    """Every setting's variable set in this process's environment, the engine's and the server's: what a
+    cluster's replicas and front are given, to serve as this server would."""
+    return settings_in_environment(EngineConfig, ServerSettings)

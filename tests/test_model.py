@@ -2,6 +2,8 @@
 and freeing, huge pages."""
 from __future__ import annotations
 
+import mmap
+
 import pytest
 import torch
 from PIL import Image
@@ -14,7 +16,11 @@ from engine.inputs.preprocess import chat_messages, patchify_images, tokenize_pr
 from engine.kernels.decode_attention import best as best_attention
 from engine.kernels.int4 import Int4Linear
 from engine.kernels.packing import PackedLinear, keeps_fp16_copy
-from engine.kernels.quantize import Int8Linear, has_int8_dot_product, int8_vision_is_faster
+from engine.kernels.quantize import (
+    Int8Linear,
+    has_int8_dot_product,
+    int8_vision_is_faster,
+)
 from engine.model.generate import decode_one_token, encode_images, prefill
 from engine.model.loading import load_model
 
@@ -208,7 +214,11 @@ def test_large_regions_move_onto_huge_pages():
     """Weights are read once a token: on 2 MB pages rather than 4 KB ones (docs/decisions.md, "Huge pages after load", has the figures)."""
     from engine.model.memory_pages import back_with_huge_pages, huge_page_bytes
 
-    weights = torch.ones(64 << 20, dtype=torch.uint8)  # touched: on 4 KB pages unless THP is "always"
+    # A mapping of its own, touched: on 4 KB pages unless THP is "always" (memory from the allocator may be a range
+    # that an earlier test in this process already moved onto huge pages)
+    region = mmap.mmap(-1, 64 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    weights = torch.frombuffer(region, dtype=torch.uint8)
+    weights.fill_(1)
     middle = weights.data_ptr() + (32 << 20)
     if "[madvise]" in open("/sys/kernel/mm/transparent_hugepage/enabled").read():
         assert _huge_bytes_at(middle) < 32 << 20

@@ -1,0 +1,109 @@
+"""`python -m bench.screenshots`: the README's pictures, made anew from the app as a user sees it on the default
+settings: `streamlit run` on the full-size model (the bundled skeleton unless --model says otherwise), a scan
+uploaded and read on the Chat page, then the Profiling and Benchmark pages, in headless Chromium at 1400x1000.
+
+    python -m bench.screenshots                       # docs/chat.png, docs/profiling.png, docs/benchmark.png
+    python -m bench.screenshots --dtype int8 --out /tmp/shots
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from engine.config import PROJECT_DIR, SKELETON_DIR
+from engine.environment import chromium_binary
+
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync"]
+VIEWPORT = {"width": 1400, "height": 1000}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _ready(url: str, seconds: float) -> None:
+    """Waits until the API says the model is loaded (a full-size model takes a minute or more)."""
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"the app did not load its model within {seconds:.0f} s")
+
+
+def take(model: str, dtype: str, out: Path, max_new_tokens: int, report=print) -> list[Path]:
+    from playwright.sync_api import expect, sync_playwright
+
+    out.mkdir(parents=True, exist_ok=True)
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    with tempfile.TemporaryDirectory() as folder:
+        env = dict(os.environ, VLSCOPE_MODEL=model, VLSCOPE_DTYPE=dtype, VLSCOPE_DB=str(Path(folder) / "shots.db"),
+                   VLSCOPE_MAX_NEW_TOKENS=str(max_new_tokens))
+        server = subprocess.Popen([sys.executable, "-m", "streamlit", "run", "streamlit_app.py", "--server.port",
+                                   str(port), "--server.address", "127.0.0.1", "--server.headless", "true"],
+                                  cwd=PROJECT_DIR, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            report(f"loading {model} ({dtype}) at {url}")
+            _ready(url, 600)
+            with sync_playwright() as playwright:
+                browser = playwright.chromium.launch(executable_path=chromium_binary(), headless=True,
+                                                     args=CHROMIUM_ARGS)
+                page = browser.new_page(viewport=VIEWPORT)
+                page.goto(url, wait_until="domcontentloaded")
+                expect(page.get_by_role("heading", name="Chat")).to_be_visible(timeout=120_000)
+                page.locator('[data-testid="stFileUploaderDropzoneInput"]').set_input_files(
+                    str(PROJECT_DIR / "samples" / "page.png"))
+                expect(page.get_by_test_id("stImage").first).to_be_visible(timeout=60_000)
+                box = page.get_by_test_id("stChatInputTextArea")
+                box.fill("Read the text")
+                expect(page.get_by_role("button", name="Send message")).to_be_enabled(timeout=10_000)
+                box.press("Enter")
+                report("asked; waiting for the answer and its cost line")
+                answer = page.get_by_test_id("stChatMessage").nth(1)
+                expect(answer.get_by_text("TTFT")).to_be_visible(timeout=600_000)
+                shots = [out / "chat.png", out / "profiling.png", out / "benchmark.png"]
+                page.screenshot(path=str(shots[0]))
+                page.get_by_role("link", name="Profiling").click()
+                expect(page.locator(".js-plotly-plot").first).to_be_visible(timeout=60_000)
+                page.screenshot(path=str(shots[1]))
+                page.get_by_role("link", name="Benchmark").click()
+                expect(page.get_by_role("heading", name="Benchmark", exact=True)).to_be_visible(timeout=60_000)
+                expect(page.locator(".js-plotly-plot").first).to_be_visible(timeout=60_000)
+                page.screenshot(path=str(shots[2]))
+                browser.close()
+        finally:
+            server.terminate()
+            server.wait(30)
+    return shots
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.screenshots", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=str(SKELETON_DIR), help="model folder (default: the bundled skeleton)")
+    parser.add_argument("--dtype", default="float32", help="precision (default float32, the app's default)")
+    parser.add_argument("--out", default=str(PROJECT_DIR / "docs"), help="where the PNGs go")
+    parser.add_argument("--max-new-tokens", type=int, default=48, help="the answer's length on the Chat page")
+    args = parser.parse_args(argv)
+    for path in take(args.model, args.dtype, Path(args.out), args.max_new_tokens,
+                     report=lambda message: print(message, file=sys.stderr, flush=True)):
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
