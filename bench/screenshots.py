@@ -94,7 +94,8 @@ def take(model: str, dtype: str, out: Path, max_new_tokens: int, report=print) -
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.screenshots", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=str(SKELETON_DIR), help="model folder (default: the bundled skeleton)")
+    parser.add_argument("--model", default=str(SKELETON_DIR.relative_to(PROJECT_DIR)),
+                        help="model folder, from the checkout (default: the bundled skeleton)")
     parser.add_argument("--dtype", default="float32", help="precision (default float32, the app's default)")
     parser.add_argument("--out", default=str(PROJECT_DIR / "docs"), help="where the PNGs go")
     parser.add_argument("--max-new-tokens", type=int, default=48, help="the answer's length on the Chat page")
