@@ -16,8 +16,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from engine import (Busy, Cancelled, ChatRequest, InsufficientMemory, InvalidImage, InvalidPrompt, InvalidSchema, InvalidVideo,
-                    PromptTooLong, RequestHandle, RequestMetrics, ServingEngine, StageStarted, TextChunk, VlscopeError)
+from engine import (Busy, Cancelled, ChatRequest, InsufficientMemory, InvalidImage, InvalidPrompt, InvalidSchema,
+                    InvalidVideo, PromptTooLong, RequestHandle, RequestMetrics, ServingEngine, StageStarted, TextChunk,
+                    VlscopeError)
 from engine.inputs.limits import max_messages
 from engine.records.stages import PREFILL, VISION_ENCODE
 from engine.records.trace import refusal_record
