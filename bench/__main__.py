@@ -34,8 +34,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.record and args.out:
         parser.error("--record writes to docs/bench/<kind>/: leave out --out")
     from engine.machine import system_report
+    from speed.record import LOCAL_RUNS, record_dir
 
-    from .harness import LOCAL_RUNS, default_images_dir, default_model, record_dir, run_bench  # torch: after --help
+    from .harness import (  # torch: after --help
+        default_images_dir,
+        default_model,
+        run_bench,
+    )
 
     images = Path(args.images) if args.images else default_images_dir()
     if args.record:

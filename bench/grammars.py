@@ -19,9 +19,9 @@ from pathlib import Path
 import numpy as np
 
 from engine.config import EngineConfig
-from engine.environment import shared_dir
 from engine.errors import InvalidSchema
 from engine.request import ChatRequest
+from fixtures.places import shared_dir
 
 from .cli import machine_line, write_results
 

@@ -2,7 +2,7 @@
 scikit-image for each of its steps at that size, with what each library installs. docs/decisions.md keeps a run.
 
 Pictures: a photo (coffee.png enlarged) and a page photographed at a 20-degree tilt and 10-degree turn on a desk
-(bench.scenes). Each time is the best of --repeats runs.
+(fixtures/scenes.py). Each time is the best of --repeats runs.
 """
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ import numpy as np
 from PIL import Image
 
 from engine.inputs.ocr import enhance_for_ocr, find_page
+from fixtures.scenes import photographed, the_page
 
 from .cli import machine_line, write_results
 from .harness import default_images_dir
-from .scenes import photographed, the_page
 
 TWELVE_MP = (4000, 3000)
 

@@ -9,7 +9,7 @@ import json
 import sys
 from pathlib import Path
 
-from .report import html_report
+from speed.tables import html_report
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,7 +26,7 @@ import httpx
 import psutil
 
 from engine.config import DTYPES, PROJECT_DIR
-from engine.environment import shared_dir
+from fixtures.places import shared_dir
 
 from .cli import machine_line, write_results
 from .harness import default_images_dir

@@ -18,7 +18,7 @@ import urllib.request
 from pathlib import Path
 
 from engine.config import PROJECT_DIR, SKELETON_DIR
-from engine.environment import chromium_binary
+from fixtures.places import chromium_binary
 
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync"]

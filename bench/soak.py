@@ -6,8 +6,8 @@ every request answered or refused cleanly, memory flat after warm-up, exactly on
 
 `--hostile` adds what a careless or hostile client sends (compressed image bombs, JSON nested 100,000 deep, NaN,
 strings for booleans, wrong content types, foreign origins and hosts, URLs into the server's network, bodies over
-the limit, missing and non-ASCII keys; clips and schemas made to cost memory and minutes: bench/hostile_clips.py,
-bench/hostile_schemas.py) and checks more: no 5xx, /health under 100 ms throughout, RSS back within
+the limit, missing and non-ASCII keys; clips and schemas made to cost memory and minutes: fixtures/hostile_clips.py,
+fixtures/hostile_schemas.py) and checks more: no 5xx, /health under 100 ms throughout, RSS back within
 300 MB, a record for every refusal too.
 """
 from __future__ import annotations
@@ -36,12 +36,11 @@ from PIL import Image
 
 from api.refusals import TALLIED
 from engine.config import PROJECT_DIR, EngineConfig
-from engine.environment import chromium_binary
 from engine.records.store import MetricsStore
-
-from . import hostile_clips, hostile_schemas
-from .hostile_backend import serve as serve_hostile_backend
-from .scenes import make_clip
+from fixtures import hostile_clips, hostile_schemas
+from fixtures.hostile_backend import serve as serve_hostile_backend
+from fixtures.places import chromium_binary
+from samples.clip import make_clip
 
 LONG = 400  # tokens of the requests a client cancels or abandons: the server's answer length cap too
 # How long a non-streaming client waits before it gives up. The tiny model answers LONG tokens in 1.3-1.6 s alone;

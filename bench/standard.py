@@ -18,9 +18,9 @@ import tempfile
 from pathlib import Path
 
 from engine.config import DTYPES, PROJECT_DIR
-from engine.environment import shared_dir
 from engine.kernels.memory_read import memory_read_gb_per_s
 from engine.machine import AVX2_DISPATCH
+from fixtures.places import shared_dir
 
 from .cli import machine_line
 from .harness import bench_image, default_images_dir
@@ -46,7 +46,7 @@ def drift(model: str, isa: str, tokens: int, size: int) -> dict:
     """Each compact precision's drift against float32 as the bench measures it (teacher-forced on float32's answer:
     the quick bench's is a 256x256 photo and 8 tokens, the full bench's 448x448 and 32), in a child held to `isa`."""
     env = {**os.environ, **(AVX2_DISPATCH if isa == "avx2" else {})}
-    code = ("import json, sys; from bench.harness import bench_image, default_images_dir, measure_drift; "
+    code = ("import json, sys; from bench.harness import default_images_dir, measure_drift; from speed.sweep import bench_image; "
             "from PIL import Image; size = int(sys.argv[3]); image = bench_image('448x448', default_images_dir())"
             ".resize((size, size), Image.BICUBIC); print(json.dumps(measure_drift(sys.argv[1], image, "
             "['bfloat16', 'int8', 'int4'], int(sys.argv[2]), 2, lambda f, m: None)))")

@@ -17,10 +17,11 @@ from dataclasses import asdict, dataclass
 import torch
 from transformers import DynamicCache
 
-from engine.core import compute
-from engine.config import DTYPES, EngineConfig
 from engine.client import Engine
+from engine.config import DTYPES, EngineConfig
+from engine.core import compute
 from engine.model.generate import next_positions
+
 from .cli import machine_line, write_results
 from .harness import default_model
 

@@ -21,14 +21,14 @@ from transformers import DynamicCache, StaticCache
 
 from engine.config import DTYPES, EngineConfig
 from engine.core.sampling import sample
-from engine.model.generate import decode_one_token, encode_images, prefill
 from engine.inputs.limits import fit_to_budget
-from engine.model.loading import LoadedModel, load_model
 from engine.inputs.preprocess import single_image_inputs
+from engine.model.generate import decode_one_token, encode_images, prefill
+from engine.model.loading import LoadedModel, load_model
+from speed.plan import PROMPT
 
 from .cli import fail
 from .harness import default_images_dir, default_model
-from .plan import PROMPT
 
 GREEDY = (0.0, 1.0, torch.Generator())
 

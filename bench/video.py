@@ -15,9 +15,9 @@ import tempfile
 from pathlib import Path
 
 from engine.config import DTYPES, PROJECT_DIR, SKELETON_DIR
+from samples.clip import make_clip
 
 from .cli import machine_line
-from .scenes import make_clip
 
 PROMPT = "What happens in this clip?"
 STAGES = ("video_probe", "frame_decode", "vision_encode", "prefill")

@@ -1,4 +1,4 @@
-"""Command line: `python -m engine ask|check-images|make-tiny|bench ...`. Bad input exits 2 with a one-line error."""
+"""Command line: `python -m engine ask|check-images|bench ...`. Bad input exits 2 with a one-line error."""
 from __future__ import annotations
 
 import argparse
@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from .client import Engine
-from .config import COMPUTE_DTYPES, DTYPES, SKELETON_DIR, EngineConfig
+from .config import COMPUTE_DTYPES, DTYPES, EngineConfig
 from .errors import VlscopeError
 from .inputs.images import check_image
 from .inputs.video import VIDEO_SUFFIXES, check_video
@@ -89,14 +89,6 @@ def cmd_check_images(args) -> int:
     return 0 if all_ok else 2
 
 
-def cmd_make_tiny(args) -> int:
-    from .model.tiny import make_tiny  # builds a model: only this command imports torch
-
-    path = make_tiny(args.skeleton, args.outdir)
-    print(path)
-    return 0
-
-
 def _fail(exc: BaseException) -> int:
     print(f"error: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", file=sys.stderr)
     return 2
@@ -126,11 +118,6 @@ def main(argv: list[str] | None = None) -> int:
     check = commands.add_parser("check-images", help="print a JSON verdict per image, document or video file")
     check.add_argument("files", nargs="+")
     check.set_defaults(run=cmd_check_images)
-
-    tiny = commands.add_parser("make-tiny", help="write a tiny Qwen3-VL of the same family for tests")
-    tiny.add_argument("outdir")
-    tiny.add_argument("--skeleton", default=str(SKELETON_DIR))
-    tiny.set_defaults(run=cmd_make_tiny)
 
     commands.add_parser("bench", add_help=False,
                         help="the benchmark sweep: the same as `python -m bench` (its --help lists the options)")

@@ -4,12 +4,12 @@ import json
 
 import streamlit as st
 
-from bench.advisor import advise
-from bench.provenance import REFRESH, describe
-from bench.harness import default_images_dir, reference_result, sweep_on_engine
-from bench.report import cases_table, markdown_report, report_figure
 from engine.config import PROJECT_DIR
 from engine.machine import cpu_kind_name, system_report
+from speed.advice import advise
+from speed.record import REFRESH, describe, reference_result
+from speed.sweep import SAMPLES_DIR, sweep_on_engine
+from speed.tables import cases_table, markdown_report, report_figure
 from ui.engine_resource import get_engine
 
 st.title("Benchmark")
@@ -25,7 +25,7 @@ with left:
         bar = st.progress(0.0, text="starting")
         try:
             st.session_state["sweep"] = sweep_on_engine(
-                loaded.engine, default_images_dir(), lambda fraction, message: bar.progress(fraction, text=message)).to_dict()
+                loaded.engine, SAMPLES_DIR, lambda fraction, message: bar.progress(fraction, text=message)).to_dict()
         except Exception as exc:  # a busy queue or a refused request: say so, keep the page
             st.error(f"The sweep stopped: {exc}")
         bar.empty()

@@ -3,12 +3,12 @@ import json
 
 import streamlit as st
 
-from bench.advisor import agreement_line
-from bench.harness import reference_result
 from engine import DTYPES
 from engine.config import COMPILE_MODES, COMPUTE_DTYPES
-from ui.access import admin_sign_in, is_admin
 from server.slot import apply_settings, current_settings
+from speed.advice import agreement_line
+from speed.record import reference_result
+from ui.access import admin_sign_in, is_admin
 
 VISION_TOKEN_BUDGETS = (64, 128, 256, 512, 768, 1024, 1536, 2048, 4096)  # the slider's stops
 

@@ -10,17 +10,10 @@ import torch
 
 from engine.config import DTYPES
 from engine.core.compute import runs_on_compute_thread
-from engine.machine import (
-    HIDDEN,
-    INTERMEDIATE,
-    PREFILL_ROWS,
-    SystemReport,
-    best_seconds,
-    bfloat16_matmul_is_faster,
-    system_report,
-)
+from engine.machine import (HIDDEN, INTERMEDIATE, PREFILL_ROWS, SystemReport, best_seconds, bfloat16_matmul_is_faster,
+                            system_report)
 
-from .provenance import REFRESH
+from .record import REFRESH
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,13 @@
-"""Which code a benchmark record measured: the commit it ran on, and whether the engine changed since."""
+"""A CPU kind's benchmark record: where it is kept, which one a page shows, which code it measured."""
 from __future__ import annotations
 
+import json
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 from engine.config import PROJECT_DIR
+from engine.machine import cpu_kind, system_report
 
 # Paths whose changes can move a benchmark's figures.
 MEASURED_PATHS = ("engine",)
@@ -56,3 +59,44 @@ def describe(document: dict, cwd: Path = PROJECT_DIR) -> str:
         return line + " Whether the engine changed since cannot be told here."
     return line + (f" Older than this code: the engine changed since; `{REFRESH}` refreshes it."
                    if changed else " The engine has not changed since.")
+
+
+RECORDS = Path("docs") / "bench"  # one record per CPU kind: docs/bench/<kind>/bench.json
+LOCAL_RUNS = Path("bench-results")  # this server's own runs, one folder each
+
+
+def record_dir(kind: str, project_dir: Path = PROJECT_DIR) -> Path:
+    """Where `python -m bench --record` writes the record of CPUs of this kind."""
+    return project_dir / RECORDS / kind
+
+
+def measured_kind(document: dict) -> str:
+    machine = document.get("machine") or {}
+    return machine.get("cpu_kind") or cpu_kind(machine.get("isa_flags", ()))
+
+
+@dataclass(frozen=True)
+class Reference:
+    """The benchmark a page shows: its file, the CPU kind it was measured on, and whether this CPU is of that kind."""
+
+    path: Path
+    kind: str
+    same_kind: bool
+
+
+def reference_result(project_dir: Path = PROJECT_DIR) -> Reference | None:
+    """The newest run from a CPU of this one's kind, this server's own (bench-results/) or the record
+    (docs/bench/<kind>/); else the newest record of another kind."""
+    here = system_report().cpu_kind
+    found = []
+    for path in [*(project_dir / LOCAL_RUNS).glob("*/bench.json"), *(project_dir / RECORDS).glob("*/bench.json")]:
+        try:
+            document = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        kind = measured_kind(document)
+        found.append((kind == here, document.get("created", ""), str(path), kind))
+    if not found:
+        return None
+    same_kind, _, path, kind = max(found)
+    return Reference(Path(path), kind, same_kind)

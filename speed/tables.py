@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+
 def _fmt(value, digits=2) -> str:
     return "–" if value is None else f"{value:.{digits}f}"
 

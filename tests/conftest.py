@@ -17,8 +17,8 @@ os.environ.setdefault("VLSCOPE_COMPILE", "off")
 
 from engine import ChatRequest, Engine, EngineConfig, RequestMetrics, TextChunk  # noqa: E402
 from engine.config import SKELETON_DIR  # noqa: E402
-from engine.environment import shared_dir  # noqa: E402
-from engine.model.tiny import make_tiny  # noqa: E402
+from fixtures.places import shared_dir  # noqa: E402
+from fixtures.tiny_model import make_tiny  # noqa: E402
 
 # Real photos and scans: the repository's samples/, or the folder VLSCOPE_SHARED names (its images/ and the model's
 # files in qwen3-vl-2b/), which the suite never needs.

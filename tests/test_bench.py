@@ -7,11 +7,13 @@ import sys
 
 import pytest
 
-from bench.advisor import advise, agreement_line
-from bench.harness import Reference, bench_image, measured_kind, reference_result, run_baseline_case, run_engine_case
-from bench.plan import Case, execution_order, plan
+from bench.harness import run_baseline_case
 from engine.config import DTYPES
 from engine.machine import CPU_KINDS, cpu_kind, system_report
+from speed.advice import advise, agreement_line
+from speed.plan import Case, execution_order, plan
+from speed.record import Reference, measured_kind, reference_result
+from speed.sweep import bench_image, run_engine_case
 
 from .conftest import FULL_SKELETON, ROOT
 from .test_api import start_server
@@ -106,7 +108,7 @@ def test_the_cpu_kind_is_the_isa_level_not_the_flag_set():
 
 
 def test_the_read_ceiling_is_at_least_what_a_decode_read():
-    from bench.harness import CaseResult, with_decode_reads
+    from speed.sweep import CaseResult, with_decode_reads
 
     ceilings = {"memory_read_gb_per_s": 30.0, "matmul_gflops": {}}
     slow = CaseResult(Case("tuned int8", "precision", dtype="int8"), [{"decode_tokens_per_s": 10.0}], 1.0)
@@ -176,8 +178,8 @@ def test_the_baseline_is_plain_transformers_in_the_weights_dtype(tiny_model, ima
 
 
 def test_tune_measures_each_option_on_the_same_tokens(tiny_model, images_dir):
-    from engine.config import EngineConfig
     from bench.tune import markdown, tune
+    from engine.config import EngineConfig
 
     lines: list[str] = []
     trials = tune(EngineConfig(model=str(tiny_model), threads=1, warmup=False), images_dir / "coffee.png",
@@ -199,8 +201,8 @@ def test_measurements_called_from_another_thread_run_on_the_compute_thread():
     code = (
         "import os, torch\n"
         "from engine.core import compute\n"
-        "from bench.advisor import advise\n"
-        "from bench.harness import measure_ceilings\n"
+        "from speed.advice import advise\n"
+        "from speed.sweep import measure_ceilings\n"
         "threads = lambda: len(os.listdir('/proc/self/task'))\n"
         "compute.run(lambda: (torch.set_num_threads(2), torch.ones(4_000_000).sum()))\n"
         "before = threads()\n"
@@ -225,7 +227,7 @@ def _case(dtype: str, e2e: float, compute: str) -> dict:
 def test_advice_is_the_fastest_precision_end_to_end_that_keeps_to_float32():
     """The figures of the AVX2 EPYC's standard request: int8 wins while its drift holds, float32 once it does not;
     bfloat16 computing in float32 is said to save memory, not time."""
-    from bench.advisor import recommend
+    from speed.advice import recommend
 
     cases = [_case("float32", 23.5, "float32"), _case("bfloat16", 25.2, "float32"), _case("int8", 11.7, "float32")]
     close = {"bfloat16": {"top1_agreement": 1.0}, "int8": {"top1_agreement": 0.96}}
@@ -241,7 +243,7 @@ def test_advice_is_the_fastest_precision_end_to_end_that_keeps_to_float32():
 
 
 def test_a_record_says_whether_the_engine_changed_since_its_commit(tmp_path):
-    from bench.provenance import code_commit, describe, engine_changed_since
+    from speed.record import code_commit, describe, engine_changed_since
 
     def git(*args):
         subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,

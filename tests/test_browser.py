@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from engine import MetricsStore
-from engine.environment import chromium_binary
+from fixtures.places import chromium_binary
 
 from .conftest import ROOT, free_port
 
@@ -241,7 +241,7 @@ def test_a_clip_is_uploaded_sampled_asked_and_profiled(server, tmp_path):
         pytest.fail(f"Chromium not found at {CHROMIUM}: install Debian's chromium (see .ci/run)")
     from playwright.sync_api import expect, sync_playwright
 
-    from bench.scenes import make_clip
+    from samples.clip import make_clip
 
     clip = make_clip(tmp_path / "forklift.webm", "webm", seconds=4.0, fps=10)
     url, db = server

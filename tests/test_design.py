@@ -15,7 +15,10 @@ from server.slot import shutdown
 
 from .conftest import ROOT
 
-ABOVE_ENGINE = {"ui", "api", "bench", "pages", "app", "streamlit_app", "streamlit", "scale"}
+ABOVE_ENGINE = {"ui", "api", "bench", "pages", "app", "streamlit_app", "streamlit", "scale", "speed", "fixtures",
+                "samples"}
+# What the product is: it imports neither the measuring tools (bench/) nor what the tests make (fixtures/).
+PRODUCT = ("", "engine", "api", "server", "ui", "pages", "scale", "speed", "samples")
 
 
 def _python_files(*folders: str):
@@ -54,9 +57,16 @@ def test_the_api_and_the_shared_server_state_do_not_import_the_ui():
         assert not drawn, f"{path.relative_to(ROOT)} draws with st.{drawn}"
 
 
+def test_the_product_imports_neither_the_measuring_tools_nor_the_test_fixtures():
+    """bench/ measures the product and fixtures/ makes what tests feed it: the app, the API and a replica run from
+    what they import without either."""
+    for path in _python_files(*PRODUCT):
+        assert not _imports(path) & {"bench", "fixtures", "tests"}, f"{path.relative_to(ROOT)} imports a tool"
+
+
 def test_only_the_scale_out_imports_ray_and_nothing_imports_the_scale_out():
     """Ray is optional (requirements-scale.txt): the app, the API and the engine run without it."""
-    for path in _python_files("", "engine", "api", "server", "ui", "pages", "bench"):
+    for path in _python_files(*[folder for folder in PRODUCT if folder != "scale"], "bench", "fixtures"):
         assert not _imports(path) & {"ray", "scale"}, f"{path.relative_to(ROOT)} imports Ray or the scale-out"
 
 
@@ -72,11 +82,12 @@ def _reads_vlscope_variable(node: ast.AST) -> bool:
 
 
 def test_no_module_but_the_settings_module_reads_vlscope_variables():
-    readers = [str(path.relative_to(ROOT)) for path in _python_files("", "engine", "server", "api", "ui", "pages", "bench")
+    readers = [str(path.relative_to(ROOT)) for path in _python_files(*PRODUCT, "bench", "fixtures")
                if any(_reads_vlscope_variable(node) for node in ast.walk(ast.parse(path.read_text())))]
-    # engine/config.py reads every setting by the name it derives from the field; engine/environment.py where the
-    # tools and folders of tests and measurements are.
-    assert readers == ["engine/environment.py"]
+    # engine/config.py reads every setting by the name it derives from the field; engine/machine.py the hold of the
+    # CPU's flags to AVX2 that measurements set beside the libraries' own; fixtures/places.py where the tests' and
+    # tools' folders and Chromium are.
+    assert readers == ["engine/machine.py", "fixtures/places.py"]
 
 
 def test_the_configuration_page_documents_exactly_the_settings_there_are():
@@ -139,7 +150,7 @@ def test_the_app_reads_its_settings_from_st_secrets(tiny_model, tmp_path, monkey
 # The engine's parts, lowest first: a part imports its own modules and those of parts below it, never one above.
 # The face (engine/*.py) imports any part; a part imports of the face only its leaves, which import no part.
 ENGINE_PARTS = ("inputs", "records", "kernels", "model", "structured", "core")
-FACE_LEAVES = {"engine.config", "engine.environment", "engine.errors", "engine.machine", "engine.request"}
+FACE_LEAVES = {"engine.config", "engine.errors", "engine.machine", "engine.request"}
 
 
 def _engine_module(path) -> str:

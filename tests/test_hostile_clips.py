@@ -11,11 +11,11 @@ import httpx
 import psutil
 import pytest
 
-from bench.hostile_clips import deep_frames, growing_frames, long_gif, many_streams, one_keyframe, picture_as_clip
-from bench.scenes import make_clip
 from engine import Cancelled, ChatRequest, InvalidVideo, MetricsStore
 from engine.config import EngineConfig
 from engine.inputs.video import decode_frames, plan_frames, read_clip_header
+from fixtures.hostile_clips import deep_frames, growing_frames, long_gif, many_streams, one_keyframe, picture_as_clip
+from samples.clip import make_clip
 
 from .test_api import start_server
 

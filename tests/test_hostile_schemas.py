@@ -10,10 +10,10 @@ import time
 import httpx
 import pytest
 
-from bench.hostile_schemas import (deep_pattern, late_explosion, many_pattern_properties, repeated_repeats,
-                                   required_self)
 from engine import ChatRequest, InvalidSchema, MetricsStore
 from engine.structured.compiler import Refusal
+from fixtures.hostile_schemas import (deep_pattern, late_explosion, many_pattern_properties, repeated_repeats,
+                                      required_self)
 
 from .test_api import start_server
 from .test_hostile_clips import MB, PeakMemory

@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from bench.scenes import photographed, the_page
 from engine import ChatRequest
 from engine.inputs.ocr import enhance_for_ocr, find_page
 from engine.records.stages import OCR_ENHANCE
+from fixtures.scenes import photographed, the_page
+
 
 def line_angle(picture: Image.Image) -> float:
     """The turn, in degrees, that makes the ink's row profile sharpest: text lines lie along rows there. Measured

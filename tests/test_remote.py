@@ -10,8 +10,8 @@ from streamlit.testing.v1 import AppTest
 
 from engine import (STAGES, Busy, ChatRequest, EngineConfig, GenerationFailed, InvalidImage, InvalidSchema,
                     MetricsStore, PromptTooLong, RequestMetrics, TextChunk, Tool)
-from bench.hostile_backend import HOSTILE_ANSWERS, serve
 from engine.remote import RemoteEngine
+from fixtures.hostile_backend import HOSTILE_ANSWERS, serve
 from server.slot import shutdown
 
 from .conftest import ROOT

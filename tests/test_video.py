@@ -3,7 +3,6 @@ and extreme clips refused before decoding or read within bounds, the prompt and 
 and model make them, and a clip asked about through the engine."""
 from __future__ import annotations
 
-import io
 import subprocess
 import sys
 import time
@@ -14,15 +13,14 @@ import numpy as np
 import pytest
 import torch
 
-from bench.scenes import CLIP_FORMATS, make_clip
 from engine import ChatRequest, InvalidVideo, Turn
 from engine.config import EngineConfig
 from engine.inputs.preprocess import image_grids, patchify_images, tokenize_prompt, video_text
-from engine.inputs.video import (MAX_TOKENS_PER_PATCH, decode_frames, plan_frames, plan_request_videos,
-                                 read_video_header)
+from engine.inputs.video import MAX_TOKENS_PER_PATCH, decode_frames, plan_frames, read_video_header
 from engine.model.generate import as_pictures, prompt_positions
 from engine.model.loading import load_model
 from engine.records.stages import FRAME_DECODE, VIDEO_PROBE
+from samples.clip import CLIP_FORMATS, make_clip
 
 from .conftest import ROOT
 

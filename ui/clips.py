@@ -77,7 +77,7 @@ def clip_preview(clip: Clip, config: EngineConfig) -> bytes | None:
 def sample_clip() -> bytes:
     """A 6-second clip of a square crossing the frame with a changing colour, made with PyAV at first use: the
     repository carries no video file."""
-    from bench.scenes import make_clip
+    from samples.clip import make_clip
 
     with tempfile.TemporaryDirectory() as folder:
         return make_clip(Path(folder) / "sample.mp4", seconds=6.0, fps=12, size=(480, 360)).read_bytes()
