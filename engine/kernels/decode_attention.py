@@ -66,10 +66,11 @@ class KernelAttention:
     def __init__(self, function):
         self._function = function
 
-    def step(self, kvs, kv_heads: int, groups: int, dim: int, scaling: float):
+    def step(self, kvs, kv_heads: int, groups: int, dim: int, scaling: float, written: bool = False):
         """kvs: the step's SequenceKV (room for one more position each). Returns attend(layer, query (B, heads, dim)
         float32, key and value (B, kv heads, dim)) -> (B, kv heads, groups, dim) ((kv heads, groups, dim) for one
-        sequence, as the compiled one-row segments were traced), having written the key and value."""
+        sequence, as the compiled one-row segments were traced), having written the key and value, unless
+        `written`: the caller wrote them (sequences that share buffers, each reading what the ones before wrote)."""
         rows = len(kvs)
         keys = torch.tensor([[kv.keys[layer].data_ptr() for kv in kvs] for layer in range(len(kvs[0].keys))],
                             dtype=torch.int64)
@@ -86,7 +87,8 @@ class KernelAttention:
             query = query.contiguous()
             key, value = key.float().contiguous(), value.float().contiguous()
             out = torch.empty((rows, kv_heads, groups, dim))
-            failed = function(rows, kv_heads, groups, dim, query.data_ptr(), key.data_ptr(), value.data_ptr(),
+            fresh = (None, None) if written else (key.data_ptr(), value.data_ptr())
+            failed = function(rows, kv_heads, groups, dim, query.data_ptr(), *fresh,
                               keys.data_ptr() + layer * row_bytes, values.data_ptr() + layer * row_bytes,
                               capacities.data_ptr(), lengths.data_ptr(), bfloat16, scaling, out.data_ptr())
             if failed:
@@ -118,7 +120,8 @@ class MatmulAttention:
 
     reads_bfloat16 = False  # would widen a bfloat16 cache whole at every step: float32 buffers suit it
 
-    def step(self, kvs, kv_heads: int, groups: int, dim: int, scaling: float):
+    def step(self, kvs, kv_heads: int, groups: int, dim: int, scaling: float, written: bool = False):
+        """As KernelAttention.step; sequences are taken in order, so each reads what the ones before it wrote."""
         def attend(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
             outputs = []
             for row, kv in enumerate(kvs):

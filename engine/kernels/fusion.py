@@ -20,19 +20,28 @@ GROUPS = {"self_attn": ("qkv_proj", ("q_proj", "k_proj", "v_proj")), "mlp": ("ga
 class StackedProjection(nn.Module):
     """Several Linears on one input as one Linear over their weights stacked by rows; returns the parts."""
 
-    def __init__(self, linears: list[nn.Linear]):
+    def __init__(self, linear: nn.Module, sizes: list[int]):
+        """linear: the product over the stacked weights; sizes: each part's rows, in order."""
         super().__init__()
-        self.sizes = [linear.out_features for linear in linears]
-        weight = torch.cat([linear.weight.detach() for linear in linears])
-        biases = [linear.bias for linear in linears]
-        self.linear = nn.Linear(weight.shape[1], weight.shape[0], bias=biases[0] is not None,
-                                device="meta", dtype=weight.dtype)
-        self.linear.weight = nn.Parameter(weight, requires_grad=False)
-        if biases[0] is not None:
-            self.linear.bias = nn.Parameter(torch.cat([bias.detach() for bias in biases]), requires_grad=False)
+        self.sizes, self.linear = list(sizes), linear
         self._input: torch.Tensor | None = None
         self._parts: tuple[torch.Tensor, ...] = ()
         self._handed_out: set[int] = set()
+
+    @classmethod
+    def of(cls, linears: list[nn.Linear]) -> "StackedProjection":
+        """One Linear over the weights of `linears`, stacked by rows."""
+        weight = torch.cat([linear.weight.detach() for linear in linears])
+        biases = [linear.bias for linear in linears]
+        stacked = nn.Linear(weight.shape[1], weight.shape[0], bias=biases[0] is not None, device="meta",
+                            dtype=weight.dtype)
+        stacked.weight = nn.Parameter(weight, requires_grad=False)
+        if biases[0] is not None:
+            stacked.bias = nn.Parameter(torch.cat([bias.detach() for bias in biases]), requires_grad=False)
+        return cls(stacked, [linear.out_features for linear in linears])
+
+    def parts(self) -> tuple["StackedPart", ...]:
+        return tuple(StackedPart(self, index) for index in range(len(self.sizes)))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return self.linear(x).split(self.sizes, dim=-1)
@@ -77,10 +86,10 @@ def stack_projections_(model: nn.Module) -> int:
             linears = [getattr(owner, name) for name in names]
             if not all(type(linear) is nn.Linear for linear in linears):
                 continue
-            stacked = StackedProjection(linears)
+            stacked = StackedProjection.of(linears)
             owner.add_module(stacked_name, stacked)
-            for index, name in enumerate(names):
-                setattr(owner, name, StackedPart(stacked, index))
+            for name, part in zip(names, stacked.parts()):
+                setattr(owner, name, part)
             for linear in linears:
                 linear.weight = linear.bias = None
             built += 1

@@ -263,9 +263,25 @@ class DirectDecodeStep:
         The products read each weight once for all B rows, which is why a step for four costs little more than a
         step for one; attention runs per sequence over its own length, all of them in one call. Compiled segments
         were traced for one row: a batch of more runs the same segments eager."""
-        rows = len(kvs)
         for kv in kvs:
             self._make_room(kv, kv.length + 1)
+        return self._rows(kvs, tokens, positions)
+
+    def check(self, kv: SequenceKV, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Several tokens (n,) of one sequence at rotary positions (4, 1, n) in one pass -> the logits after each
+        (n, vocab), each row what a step of that token alone gives (the same products of up to the layout's rows,
+        the same attention over the positions up to its own). Leaves `kv.length` where it was: the caller keeps as
+        many of the positions as it accepts."""
+        count = tokens.shape[0]
+        self._make_room(kv, kv.length + count)
+        # Row r is a sequence of its own over the same buffers, r positions longer: it attends over the rows before
+        # it, whose keys and values are written before any row attends.
+        rows = [SequenceKV(kv.keys, kv.values, kv.length + row) for row in range(count)]
+        return self._rows(rows, tokens, positions, shared=kv)
+
+    def _rows(self, kvs: list[SequenceKV], tokens: torch.Tensor, positions: torch.Tensor,
+              shared: SequenceKV | None = None) -> torch.Tensor:
+        rows = len(kvs)
         hidden = self.embed_tokens(tokens.view(rows))  # (B, hidden)
         if self.hidden_dtype is not None:
             hidden = hidden.to(self.hidden_dtype)
@@ -275,10 +291,14 @@ class DirectDecodeStep:
         else:
             segments = [self._segment] * len(self.segments)
             cos, signed_sin = cos[:, None], signed_sin[:, None]
-        attend = self.attention.step(kvs, self.kv_heads, self.heads // self.kv_heads, self.head_dim, self.scaling)
+        attend = self.attention.step(kvs, self.kv_heads, self.heads // self.kv_heads, self.head_dim, self.scaling,
+                                     written=shared is not None)
         attended = None
         for index, segment in enumerate(segments[:-1]):
             hidden, query, key, value = segment(index, hidden, attended, cos, signed_sin)
+            if shared is not None:
+                shared.keys[index][:, shared.length:shared.length + rows].copy_(key.transpose(0, 1))
+                shared.values[index][:, shared.length:shared.length + rows].copy_(value.transpose(0, 1))
             attended = attend(index, query, key, value)
         for kv in kvs:
             kv.length += 1
