@@ -29,6 +29,7 @@ COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
 # int8 activations), the fastest measured here; plain: PyTorch's stock kernels (parity tests, the bench's baseline).
 KERNELS = ("packed", "plain")
 COMPILE_MODES = ("auto", "on", "off")
+DRAFTS = ("int8", "off")
 # Shorter names people type, beside the VLSCOPE_<FIELD> ones.
 ENV_ALIASES = {"db_path": "VLSCOPE_DB"}
 # One vision token covers a 32x32 pixel block (16-pixel patches merged 2x2).
@@ -57,6 +58,9 @@ class EngineConfig:
     # is measured faster at load (bfloat16 on CPUs that compute in it, where fbgemm's float16 products are missing),
     # on always tries, off never does.
     compile: str = "auto"
+    # float32 decode drafts tokens with an int8 copy of the language model and checks them four at a time
+    # (engine/model/draft.py): float32's own tokens, faster, for the copy's memory; off decodes a token a step.
+    draft: str = "int8"
     threads: int = dataclasses.field(default_factory=default_threads)
     kv_cache: bool = True
     # Recent conversations whose KV cache is kept, so a follow-up skips re-encoding and re-prefilling them.
@@ -126,6 +130,8 @@ class EngineConfig:
             raise ValueError(f"compute_dtype must be one of {', '.join(COMPUTE_DTYPES)}, not {self.compute_dtype!r}")
         if self.compile not in COMPILE_MODES:
             raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}, not {self.compile!r}")
+        if self.draft not in DRAFTS:
+            raise ValueError(f"draft must be one of {', '.join(DRAFTS)}, not {self.draft!r}")
         if self.kernels not in KERNELS:
             raise ValueError(f"kernels must be one of {', '.join(KERNELS)}, not {self.kernels!r}")
         if self.threads < 1:

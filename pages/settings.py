@@ -4,7 +4,7 @@ import json
 import streamlit as st
 
 from engine import DTYPES
-from engine.config import COMPILE_MODES, COMPUTE_DTYPES
+from engine.config import COMPILE_MODES, COMPUTE_DTYPES, DRAFTS
 from server.slot import apply_settings, current_settings
 from speed.advice import agreement_line
 from speed.record import reference_result
@@ -67,12 +67,17 @@ with st.form("settings_form"):
                                        "queue. A step for four costs little more than a step for one. With "
                                        "AVX-512, float32 weights are laid out for up to four answers; 1 suits "
                                        "one person alone.")
+    draft = right.selectbox(
+        "Drafted decode (float32)", DRAFTS, index=DRAFTS.index(current.draft), key="set_draft",
+        help="int8: an int8 copy of the language model drafts three tokens and the float32 weights check them in "
+             "one pass; the answer is float32's own greedy tokens, faster, for the copy's memory. Greedy answers "
+             "decoding alone, on CPUs with AVX-512. off: a token a step.")
     submitted = st.form_submit_button("Apply and reload", type="primary", key="apply_settings")
 
 if submitted:
     try:
         new = current.replace(model=model.strip(), dtype=dtype, compute_dtype=compute_dtype, compile=compile_mode,
-                              threads=int(threads),
+                              draft=draft, threads=int(threads),
                               max_pixels=int(max_tokens) * 1024, min_pixels=min(current.min_pixels, int(max_tokens) * 1024),
                               max_new_tokens=int(max_new), temperature=float(temperature), top_p=float(top_p),
                               kv_cache=kv_cache, store_content=store_content, max_batch=int(max_batch))

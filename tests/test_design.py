@@ -114,7 +114,7 @@ def _sample_value(field_type: str, default):
 def test_every_setting_takes_effect_from_secrets_and_the_environment_wins():
     import dataclasses
 
-    special = {"dtype": "int8", "compute_dtype": "float32", "kernels": "plain", "compile": "off", "min_pixels": 4096,
+    special = {"dtype": "int8", "compute_dtype": "float32", "kernels": "plain", "compile": "off", "draft": "off", "min_pixels": 4096,
                "max_pixels": 2_000_000, "temperature": 0.7, "top_p": 0.5}
     for cls, part in ((EngineConfig, "engine"), (ServerSettings, "server")):
         for field in dataclasses.fields(cls):

@@ -111,6 +111,9 @@ class EngineCore:
         cancelled or failed), each with its record."""
         ended = [state for state in states if state.cancelled.is_set()]
         live = [state for state in states if state not in ended]
+        alone = live[0].decoding if len(live) == 1 else None
+        if alone and alone.sampler.greedy and self.runner.drafts_for(alone.sequence, alone.drafted, alone.kept):
+            return self._decode_ahead(live[0], ended)
         errors: dict[RequestState, VlscopeError] = {}
         if live:
             started = time.perf_counter()
@@ -149,6 +152,42 @@ class EngineCore:
                     ended.append(state)
         for state in ended:
             self.finish(state, errors.get(state))
+        return ended
+
+    def _decode_ahead(self, state: RequestState, ended: list[RequestState]) -> list[RequestState]:
+        """A request decoding alone, several tokens a step: drafted, then checked in one pass, each row's token
+        chosen by its sampler as a step of its own would, and kept while the drafts agree (model/draft.py)."""
+        decoding, trace = state.decoding, state.trace
+        started = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                drafted, logits = self.runner.draft_and_check(
+                    decoding.sequence, decoding.token, state.params.max_new_tokens - decoding.output.tokens)
+        except Exception as exc:
+            log.exception("a drafted decode step failed")
+            self.finish(state, GenerationFailed(f"generation failed: {type(exc).__name__}: {exc}"))
+            for other in ended:
+                self.finish(other)
+            return [state, *ended]
+        elapsed, fed = time.perf_counter() - started, [decoding.token]
+        decoding.rss[1] = max(decoding.rss[1], current_rss())
+        for row in range(logits.shape[0]):
+            decoding.token = decoding.sampler(logits[row:row + 1])
+            with trace.stage(DETOKENIZE, announce=False):
+                decoding.output.take(decoding.token)
+            if decoding.output.stopped or decoding.output.tokens >= state.params.max_new_tokens:
+                ended.append(state)
+                break
+            if row == len(drafted) or decoding.token != drafted[row]:
+                break
+            fed.append(drafted[row])
+        self.runner.keep(decoding.sequence, fed)
+        decoding.drafted, decoding.kept = decoding.drafted + len(drafted), decoding.kept + len(fed) - 1
+        trace.drafted(decoding.drafted, decoding.kept)
+        for _ in fed:  # each token the step gave, its share of the step's time
+            trace.decoded(elapsed / len(fed), 1)
+        for done in ended:
+            self.finish(done)
         return ended
 
     # ---- output processing's last word -------------------------------------------------------------------------

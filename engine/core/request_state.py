@@ -26,6 +26,8 @@ class Decoding:
     spans: tuple
     token: int  # the last sampled token: the next step's input
     rss: list[int] = field(default_factory=list)  # before, peak
+    drafted: int = 0  # tokens drafted for it and checked (model/draft.py), and those kept
+    kept: int = 0
 
 
 class RequestState:

@@ -98,6 +98,12 @@ class Sampler:
         return token
 
     @property
+    def greedy(self) -> bool:
+        """Takes the largest logit, after bias and penalties, with no grammar: a drafted token can be checked against
+        its choice row by row (a grammar's masks are computed beside the step, one token ahead)."""
+        return self.temperature <= 0 and self.grammar is None
+
+    @property
     def done(self) -> bool:
         """The answer's grammar is complete: only an end token could follow."""
         return self.grammar is not None and self.grammar.done

@@ -22,6 +22,7 @@ import torch
 
 from ..config import INTEGER_DTYPES
 from .direct_step import DirectDecodeStep
+from .draft import DRAFTED, draft_bytes, int8_copy
 from ..kernels.decode_attention import best as best_attention
 from ..kernels.packing import decode_rows, keeps_fp16_copy, pack_remaining_linears
 from .generate import attach_step, decode_one_token, prefill
@@ -133,11 +134,12 @@ def compile_step(loaded, mode: str, kernels: str, cache_dir: Path, progress=None
     return step, f"compiled decode step ({figures})"
 
 
-def prepare(loaded, config, progress=None) -> tuple[DirectDecodeStep | None, str, tuple[str, ...]]:
+def prepare(loaded, config, progress=None) -> tuple[DirectDecodeStep | None, DirectDecodeStep | None, str,
+                                                     tuple[str, ...]]:
     """How this engine decodes: the compiled direct step, the eager direct step on weights packed here, or None
-    (transformers' forward: no KV cache, or plain kernels). Returns it, the line that says which and why, and the
-    lines of kernels this CPU cannot serve. Loading packed only the vision tower: the language model's weights
-    are packed here, unless the compiled step keeps its own frozen copy of them."""
+    (transformers' forward: no KV cache, or plain kernels), and the draft step beside it or None. Returns them, the
+    line that says which and why, and the lines of kernels this CPU cannot serve. Loading packed only the vision
+    tower: the language model's weights are packed here, unless the compiled step keeps its own frozen copy."""
     step, note = None, "eager decode (no KV cache)"
     if config.kv_cache:
         step, note = compile_step(loaded, config.compile, config.kernels, Path(config.db_path).parent / "inductor",
@@ -145,15 +147,44 @@ def prepare(loaded, config, progress=None) -> tuple[DirectDecodeStep | None, str
     notes: list[str] = []
     if step is None and config.kernels == "packed":
         notes = [line for line in pack_remaining_linears(loaded.model, loaded.compute_dtype, progress,
-                                                         decode_rows(config.max_batch, config.kv_cache))
+                                                         _layout_rows(loaded, config))
                  if line not in loaded.notes]
         release_freed_memory()
         loaded.weight_bytes, loaded.decode_weight_bytes = weight_bytes(loaded.model), decode_weight_bytes(loaded.model)
         if config.kv_cache:
             step = DirectDecodeStep(loaded.model, hidden_dtype(loaded))
             note = f"direct decode step; {note}"
+    draft = None
+    if step is not None:
+        draft, why = _draft(loaded, config, step, progress)
+        note = f"{note}; {why}"
     if config.kv_cache:
         note = f"{note}; {best_attention()[1]}"
     log.info("decode: %s", note)
-    return step, note, tuple(notes)
+    return step, draft, note, tuple(notes)
+
+
+def _layout_rows(loaded, config) -> int:
+    """The rows decode's products are laid out for: the batch's, and a check's where float32 drafts."""
+    drafting = loaded.dtype == "float32" and config.draft != "off"
+    return decode_rows(max(config.max_batch, DRAFTED + 1) if drafting else config.max_batch, config.kv_cache)
+
+
+def _draft(loaded, config, step: DirectDecodeStep, progress) -> tuple[DirectDecodeStep | None, str]:
+    """The int8 copy that drafts for a float32 step, where its check is exact: the step's products laid out for the
+    check's rows, so each row is what a step of one computes (packing.decode_rows)."""
+    if config.draft == "off":
+        return None, "one token a step (drafting off)"
+    if loaded.dtype != "float32" or step.compiled:
+        return None, "one token a step"
+    if _layout_rows(loaded, config) < DRAFTED + 1:
+        return None, f"one token a step (a check of {DRAFTED + 1} rows is exact only on weights laid out for them)"
+    if progress:
+        progress(0.96, "An int8 copy of the language model to draft tokens")
+    # Over the step's buffers: it drafts on the loaded model's own keys and values (float32, as the step keeps them).
+    draft = DirectDecodeStep(int8_copy(loaded.model), hidden_dtype=torch.float32, attention=step.attention)
+    loaded.draft_bytes = draft_bytes(draft)
+    loaded.weight_bytes += loaded.draft_bytes
+    release_freed_memory()
+    return draft, f"{DRAFTED} tokens drafted by an int8 copy ({loaded.draft_bytes / 2**20:,.0f} MB), checked together"
 

@@ -61,6 +61,7 @@ class LoadedModel:
     weight_bytes: int
     load_seconds: float
     decode_weight_bytes: int = 0  # bytes of weights one decode step reads: the language model's Linears and head
+    draft_bytes: int = 0  # the int8 copy that drafts tokens for float32 (model/draft.py), within weight_bytes
     notes: tuple[str, ...] = ()  # kernels this CPU cannot serve and what runs instead, one line each
 
     @property

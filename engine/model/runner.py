@@ -8,7 +8,7 @@ import logging
 
 import torch
 
-from . import decode_backend
+from . import decode_backend, draft
 from .direct_step import DirectDecodeStep
 from .generate import (ChunkedPrefill, DecodeState, VisionEncoding, attach_step, decode_batch, decode_one_token,
                        detach_step, prefill_text)
@@ -23,7 +23,8 @@ class ModelRunner:
 
     def __init__(self, config, report):
         self.loaded: LoadedModel = load_model(config, progress=report)
-        self.decode_step, self.decode_note, self.step_notes = decode_backend.prepare(self.loaded, config, report)
+        self.decode_step, self.draft_step, self.decode_note, self.step_notes = decode_backend.prepare(
+            self.loaded, config, report)
         if huge_pages_pay(self.loaded.weight_bytes):
             report(0.965, "Moving the weights onto huge pages")
             log.info("weights: %.2f GB of the process on huge pages", back_with_huge_pages() / 1e9)
@@ -71,6 +72,20 @@ class ModelRunner:
             return decode_one_token(self.loaded.model, state, token)
         return decode_batch(self.decode_step, states, tokens)
 
+    def drafts_for(self, state: DecodeState, drafted: int, kept: int) -> bool:
+        """Whether `state` decodes through the step a draft runs beside, and its drafts so far pay."""
+        return (self.draft_step is not None and state.step is self.decode_step and state.kv is not None
+                and draft.pays(drafted, kept))
+
+    def draft_and_check(self, state: DecodeState, token: int, most: int) -> tuple[list[int], torch.Tensor]:
+        """One sequence, up to `most` tokens further in one check: the drafted tokens and the step's logits after
+        `token` and after each of them (model/draft.py). `keep` then takes the fed tokens that stay."""
+        return draft.draft_and_check(self.decode_step, self.draft_step, state, token, most)
+
+    def keep(self, state: DecodeState, fed: list[int]) -> None:
+        """The tokens the last check was fed that stay in the sequence: its first and the drafts accepted."""
+        draft.keep(state, fed)
+
     def detach(self, state: DecodeState) -> None:
         """A finished sequence's keys and values out of the step's buffers, into a cache the prefix cache keeps."""
         detach_step(state)
@@ -81,6 +96,7 @@ class ModelRunner:
 
     def release(self) -> None:
         """The decode step's weights and compiled code go."""
-        step, self.decode_step = self.decode_step, None
-        if step is not None:
-            step.release()
+        step, self.decode_step, drafting, self.draft_step = self.decode_step, None, self.draft_step, None
+        for each in (step, drafting):
+            if each is not None:
+                each.release()

@@ -41,6 +41,9 @@ class RequestMetrics:
     stages: dict = field(default_factory=dict)  # stage name (trace.STAGES) -> seconds, only stages that ran
     token_latencies_s: tuple[float, ...] = ()  # every decode step after the first token
     decode_batch_sizes: tuple[int, ...] = ()  # how many sequences each of those steps advanced together
+    # float32's drafted decode (engine/model/draft.py): tokens an int8 copy proposed, and those the model kept
+    drafted_tokens: int = 0
+    drafts_kept: int = 0
     paused_s: float = 0.0  # time its decode waited while other requests were admitted (their encode and prefill)
     document_pages: tuple[dict, ...] = ()  # each document page read: document, page, rendered size, vision tokens
     ttft_s: float | None = None  # submission to first token text
@@ -63,7 +66,8 @@ class RequestMetrics:
 
     @property
     def decode_gb_per_s(self) -> float | None:
-        """Weights read per second while decoding: how close decode runs to the memory's read rate."""
+        """Weights read per second while decoding: how close decode runs to the memory's read rate. Drafted decode
+        counts each token as a step of its own would read it, so the figure can pass the read rate: its gain."""
         if not self.decode_tokens_per_s or not self.decode_weight_bytes:
             return None
         return self.decode_weight_bytes * self.decode_tokens_per_s / 1e9

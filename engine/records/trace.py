@@ -47,6 +47,7 @@ class RequestTrace:
         self.output_tokens = 0
         self.token_latencies_s: list[float] = []  # a decode step's time, once per token after the first
         self.decode_batch_sizes: list[int] = []  # how many requests shared that step
+        self.drafted_tokens = self.drafts_kept = 0
         self.paused_s = 0.0
         self.ttft_s: float | None = None
         self.decode_tokens_per_s: float | None = None
@@ -97,6 +98,10 @@ class RequestTrace:
         """One decode step gave this request a token: the step took `seconds`, shared by `batch_size` requests."""
         self.token_latencies_s.append(seconds)
         self.decode_batch_sizes.append(batch_size)
+
+    def drafted(self, proposed: int, kept: int) -> None:
+        """How many tokens were drafted for this request so far, and how many of them the model kept."""
+        self.drafted_tokens, self.drafts_kept = proposed, kept
 
     def first_token(self) -> None:
         """The first answer text exists now (only the first call counts)."""
@@ -162,6 +167,8 @@ class RequestTrace:
             stages=self._stages(),
             token_latencies_s=tuple(self.token_latencies_s),
             decode_batch_sizes=tuple(self.decode_batch_sizes),
+            drafted_tokens=self.drafted_tokens,
+            drafts_kept=self.drafts_kept,
             paused_s=self.paused_s,
             document_pages=self.document_pages,
             ttft_s=self.ttft_s,
