@@ -5,7 +5,10 @@ the remaining tokens (it streams one token a write), peak RSS polled.
 
 usage (from the repository root):
   python -m bench.peers.against_llama_mtmd ROUNDS TOKENS DTYPE LLAMA_BIN MODEL_GGUF
-      MMPROJ_GGUF IMAGE OUT_JSON
+      MMPROJ_GGUF IMAGE OUT_JSON [SETTING ...]
+
+Each SETTING (as VLSCOPE_DRAFT=off) makes vlscope a side of its own with that setting in its environment, so one
+interleaved run compares vlscope before and after a change against the same peer; without any, one vlscope side.
 """
 import json
 import os
@@ -19,6 +22,7 @@ import psutil
 
 rounds, tokens, dtype, llama_bin, model, mmproj, image, out = sys.argv[1:9]
 rounds, tokens = int(rounds), int(tokens)
+settings = sys.argv[9:] or [""]
 
 
 def llama() -> dict:
@@ -50,23 +54,27 @@ def llama() -> dict:
             "e2e_s": arrivals[-1] - request_start, "rss_peak_gb": peak / 1e9, "writes": len(arrivals)}
 
 
-def vlscope() -> dict:
+def vlscope(setting: str) -> dict:
+    environment = dict(os.environ, **dict([setting.split("=", 1)])) if setting else None
     result = subprocess.run([sys.executable, "-m", "engine", "ask", "--model", "models/qwen3-vl-2b-skeleton", "--image",
                              image, "--prompt", "Describe this image.", "--dtype", dtype, "--max-new-tokens",
-                             str(tokens), "--db", f"{out}.sqlite", "--json"], capture_output=True, text=True)
+                             str(tokens), "--db", f"{out}.sqlite", "--json"], capture_output=True, text=True, env=environment)
     record = json.loads(result.stdout[result.stdout.index("{"):])
     return {"ttft_s": record["ttft_s"], "decode_tokens_per_s": record["decode_tokens_per_s"], "e2e_s": record["e2e_s"],
             "rss_peak_gb": record["rss_peak_bytes"] / 1e9, "stages": record["stages"]}
 
 
-rows = {"vlscope": [], "llama.cpp": []}
+sides = {f"vlscope {setting}".strip(): setting for setting in settings}
+rows = {side: [] for side in [*sides, "llama.cpp"]}
 for round_ in range(rounds):
-    for side in (("vlscope", "llama.cpp") if round_ % 2 == 0 else ("llama.cpp", "vlscope")):
-        rows[side].append(vlscope() if side == "vlscope" else llama())
+    order = list(rows) if round_ % 2 == 0 else list(reversed(rows))
+    for side in order:
+        rows[side].append(llama() if side == "llama.cpp" else vlscope(sides[side]))
         print(round_ + 1, side, {k: round(v, 3) for k, v in rows[side][-1].items() if isinstance(v, float)}, flush=True)
 keys = ("ttft_s", "decode_tokens_per_s", "e2e_s", "rss_peak_gb")
 medians = {side: {k: statistics.median(r[k] for r in runs) for k in keys} for side, runs in rows.items()}
-ratios = {k: [round(a[k] / b[k], 3) for a, b in zip(rows["vlscope"], rows["llama.cpp"])] for k in keys[:3]}
+ratios = {side: {k: [round(a[k] / b[k], 3) for a, b in zip(rows[side], rows["llama.cpp"])] for k in keys[:3]}
+          for side in sides}
 print(json.dumps({"medians": medians, "ratios per round": ratios}, indent=1))
 with open(out, "w") as handle:
     json.dump({"tokens": tokens, "dtype": dtype, "model": model, "rounds": rows, "medians": medians,
