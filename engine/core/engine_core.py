@@ -125,12 +125,7 @@ class EngineCore:
                                                 [state.decoding.token for state in live])
             except Exception as exc:
                 log.exception("a decode step of %d request(s) failed", len(live))
-                error = GenerationFailed(f"generation failed: {type(exc).__name__}: {exc}")
-                for state in live:
-                    self.finish(state, error)
-                for state in ended:  # cancelled before the step: their records all the same
-                    self.finish(state)
-                return states
+                return self._failed(live, ended, exc)
             finally:
                 if masks is not None:
                     masks.result()  # before any matcher moves on or is let go
@@ -165,10 +160,7 @@ class EngineCore:
                     decoding.sequence, decoding.token, state.params.max_new_tokens - decoding.output.tokens)
         except Exception as exc:
             log.exception("a drafted decode step failed")
-            self.finish(state, GenerationFailed(f"generation failed: {type(exc).__name__}: {exc}"))
-            for other in ended:
-                self.finish(other)
-            return [state, *ended]
+            return self._failed([state], ended, exc)
         elapsed, fed = time.perf_counter() - started, [decoding.token]
         decoding.rss[1] = max(decoding.rss[1], current_rss())
         for row in range(logits.shape[0]):
@@ -189,6 +181,15 @@ class EngineCore:
         for done in ended:
             self.finish(done)
         return ended
+
+    def _failed(self, live: list[RequestState], ended: list[RequestState], exc: Exception) -> list[RequestState]:
+        """A step that raised ends every request it ran; those cancelled before it get their records all the same."""
+        error = GenerationFailed(f"generation failed: {type(exc).__name__}: {exc}")
+        for state in live:
+            self.finish(state, error)
+        for state in ended:
+            self.finish(state)
+        return [*live, *ended]
 
     # ---- output processing's last word -------------------------------------------------------------------------
 
