@@ -92,9 +92,11 @@ def test_packed_linear_matches_f_linear_and_engines_agree(make_engine, images_di
     packed_engine, plain_engine = make_engine(), make_engine(kernels="plain")
     assert isinstance(packed_engine.loaded.model.lm_head, PackedLinear)
     assert type(plain_engine.loaded.model.lm_head) is torch.nn.Linear
-    # the tied LM head gets its own packed copy beside the embeddings; nothing else is held twice
+    # the tied LM head gets its own packed copy beside the embeddings; nothing else is held twice but float32's
+    # int8 draft (counted apart)
     head = plain_engine.loaded.model.lm_head.weight
-    assert packed_engine.loaded.weight_bytes == plain_engine.loaded.weight_bytes + head.numel() * head.element_size()
+    assert (packed_engine.loaded.weight_bytes - packed_engine.loaded.draft_bytes
+            == plain_engine.loaded.weight_bytes + head.numel() * head.element_size())
     assert packed_engine.ask(request).text == plain_engine.ask(request).text
 
 
@@ -105,9 +107,10 @@ def test_the_batch_layout_is_kept_for_cpus_where_a_lone_row_pays_little():
 
 @kernels
 def test_float32_decode_weights_are_laid_out_for_the_batch(make_engine):
-    """The language model's float32 weights are packed for the batch decode runs at (up to four rows), the vision
-    tower's for one; a product of fewer rows is padded, so each row's result is the one it gets beside others (a
-    lone answer's tokens are its tokens in a batch, to the bit) and F.linear's within rounding."""
+    """The language model's float32 weights are packed for the batch decode runs at (up to four rows; four where it
+    drafts, whose check is four rows), the vision tower's for one; a product of fewer rows is padded, so each row's
+    result is the one it gets beside others (a lone answer's tokens are its tokens in a batch, to the bit) and
+    F.linear's within rounding."""
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 96)
     packed = PackedLinear(linear, rows=4)
@@ -119,8 +122,9 @@ def test_float32_decode_weights_are_laid_out_for_the_batch(make_engine):
             assert torch.equal(packed(x[:count]), four[:count])
         assert torch.allclose(packed(x), linear(x), atol=1e-4, rtol=1e-4)
     assert PackedLinear(linear.to(torch.bfloat16), rows=4).rows == 1 if packing_works(torch.bfloat16) else True
-    for settings, rows in ((dict(max_batch=4), 4), (dict(max_batch=8), 4), (dict(max_batch=2), 2),
-                           (dict(max_batch=1), 1), (dict(kv_cache=False), 1)):
+    for settings, rows in ((dict(max_batch=4), 4), (dict(max_batch=8), 4), (dict(max_batch=2), 4),
+                           (dict(max_batch=1), 4), (dict(max_batch=2, draft="off"), 2),
+                           (dict(max_batch=1, draft="off"), 1), (dict(kv_cache=False), 1)):
         rows = rows if wide_layout_pays() else 1  # oneDNN's AVX2 kernels: a padded lone row would cost 1.6x
         model = make_engine(**settings).loaded.model
         assert model.lm_head.rows == rows, settings
