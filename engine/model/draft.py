@@ -1,9 +1,9 @@
 """Speculative decoding: an int8 copy of the language model drafts a few tokens, the loaded step checks them in one
 pass over its weights, and every token kept is the one the loaded model's own greedy step chooses.
 
-Decode reads every weight once a token. A float32 step reads 6.9 GB; an int8 copy of its layers and head reads 1.7 GB
-and picks float32's token nearly always, and the float32 weights laid out for four rows take four tokens' check at
-about one token's read (docs/decisions.md, "Speculative decoding"). The copy shares the step's embeddings, norms,
+Decode reads every weight once a token. An int8 copy of the layers and head reads a quarter of float32's bytes and
+mostly picks float32's token, and float32 weights laid out for four rows check four tokens for about one token's
+read (docs/decisions.md, "Speculative decoding for float32"). The copy shares the step's embeddings, norms,
 rotary and key and value buffers: it drafts on top of the loaded model's own keys and values, and the check
 overwrites what it drafted there.
 """
