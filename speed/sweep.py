@@ -93,11 +93,13 @@ def best_ceilings(first: dict, second: dict) -> dict:
 
 def with_decode_reads(ceilings: dict, results: list, lm_facts: dict) -> dict:
     """The read ceiling is at least what any decode in the run read: a shared host's streaming reads can come out
-    below a decode's (it then showed above 100% of them). Names the case when a decode set it."""
+    below a decode's (it then showed above 100% of them). Names the case when a decode set it. A drafted decode's
+    tokens are not a read each (model/draft.py): it sets nothing."""
     best, source = ceilings["memory_read_gb_per_s"], None
     for result in results:
         bytes_ = lm_facts.get(result.case.dtype, (None, None))[0]
-        rates = [run.get("decode_tokens_per_s") for run in result.runs if run.get("decode_tokens_per_s")]
+        rates = [run.get("decode_tokens_per_s") for run in result.runs
+                 if run.get("decode_tokens_per_s") and not run.get("drafted_tokens")]
         if bytes_ and rates and max(rates) * bytes_ / 1e9 > best:
             best, source = max(rates) * bytes_ / 1e9, result.case.name
     return ceilings | {"memory_read_gb_per_s": best, "memory_read_set_by": source} if source else ceilings
@@ -210,6 +212,9 @@ def summarize(result: CaseResult, ceilings: dict, lm_bytes: int | None, lm_param
         "compute_dtype": first_turns[0].get("compute_dtype") or ("float32" if result.case.dtype == "float32"
                                                                  else "bfloat16"),
     }
+    if any(r.get("drafted_tokens") for r in runs):
+        summary["drafts"] = {"drafted": sum(r.get("drafted_tokens", 0) for r in runs),
+                             "kept": sum(r.get("drafts_kept", 0) for r in runs)}
     if result.case.turns > 1:
         summary["follow_up_ttft_s"] = stat([r["ttft_s"] for r in runs if r.get("turn", 1) > 1])
     rate = summary["decode_tokens_per_s"]

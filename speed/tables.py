@@ -51,6 +51,12 @@ def markdown_report(document: dict) -> str:
             f"{_fmt(fraction * 100 if fraction else None, 0)} | {_fmt(compute * 100 if compute else None, 0)} | "
             f"{_fmt(_median(s, 'e2e_s'), 1)} | {_fmt(None if case['dtype'] == 'remote' else s['rss_peak_bytes'] / 1e9, 1)} |"
         )
+    drafted = [(entry["case"]["name"], entry["summary"]["drafts"]) for entry in document["cases"]
+               if entry["summary"].get("drafts")]
+    if drafted:
+        kept = "; ".join(f"{name} {d['kept']} of {d['drafted']}" for name, d in drafted)
+        lines += ["", "Drafted decode (float32's speculative decoding, docs/decisions.md): its share of the read ceiling "
+                  f"counts each token as a plain step's read, so it can pass 100%. Drafts kept: {kept}."]
     against = document.get("against")
     if against:
         by_name = {entry["case"]["name"]: entry["summary"] for entry in document["cases"]}

@@ -9,6 +9,7 @@ import pytest
 
 from bench.harness import run_baseline_case
 from engine.config import DTYPES
+from engine.kernels.packing import wide_layout_pays
 from engine.machine import CPU_KINDS, cpu_kind, system_report
 from speed.advice import advise, agreement_line
 from speed.plan import Case, execution_order, plan
@@ -52,6 +53,11 @@ def test_quick_bench_writes_json_markdown_and_html(tiny_model, images_dir, tmp_p
     tuned = cases["tuned float32"]["summary"]
     assert {"vision_encode", "prefill", "decode"} <= set(tuned["stages"])
     assert 0 < tuned["decode_fraction_of_bandwidth_ceiling"]
+    # float32 drafts where its layout allows: its tokens are not a read each, so it never sets the read ceiling
+    if wide_layout_pays():
+        assert tuned["drafts"]["drafted"] > 0 and "Drafts kept: tuned float32" in (out / "bench.md").read_text()
+    set_by = document["ceilings"].get("memory_read_set_by")
+    assert set_by is None or not cases[set_by]["summary"].get("drafts")
     multi = cases["multi-turn float32"]
     assert [r["turn"] for r in multi["runs"]] == [1, 2, 3] * multi["summary"]["repetitions"]
     assert all(r["cached_prompt_tokens"] > r["vision_tokens"] for r in multi["runs"] if r["turn"] > 1)  # image not re-encoded
