@@ -141,9 +141,7 @@ class EngineCore:
                     errors[state] = exc
                     ended.append(state)
                     continue
-                with trace.stage(DETOKENIZE, announce=False):
-                    decoding.output.take(decoding.token, complete=decoding.sampler.done)
-                if decoding.output.stopped or decoding.output.tokens >= state.params.max_new_tokens:
+                if self._answer_ended(state):
                     ended.append(state)
         for state in ended:
             self.finish(state, errors.get(state))
@@ -165,9 +163,7 @@ class EngineCore:
         decoding.rss[1] = max(decoding.rss[1], current_rss())
         for row in range(logits.shape[0]):
             decoding.token = decoding.sampler(logits[row:row + 1])
-            with trace.stage(DETOKENIZE, announce=False):
-                decoding.output.take(decoding.token)
-            if decoding.output.stopped or decoding.output.tokens >= state.params.max_new_tokens:
+            if self._answer_ended(state):
                 ended.append(state)
                 break
             if row == len(drafted) or decoding.token != drafted[row]:
@@ -181,6 +177,13 @@ class EngineCore:
         for done in ended:
             self.finish(done)
         return ended
+
+    def _answer_ended(self, state: RequestState) -> bool:
+        """The token just sampled goes into the answer; whether the answer ends with it (a stop, or its length)."""
+        decoding = state.decoding
+        with state.trace.stage(DETOKENIZE, announce=False):
+            decoding.output.take(decoding.token, complete=decoding.sampler.done)
+        return decoding.output.stopped or decoding.output.tokens >= state.params.max_new_tokens
 
     def _failed(self, live: list[RequestState], ended: list[RequestState], exc: Exception) -> list[RequestState]:
         """A step that raised ends every request it ran; those cancelled before it get their records all the same."""
