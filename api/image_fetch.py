@@ -41,7 +41,7 @@ class ImageFetcher:
         parsed = urlparse(url)
         if parsed.scheme not in ("http", "https"):
             raise ApiError(400, f"{self.what}_url must be a data: URL (file paths are never read)",
-                           code=f"{self.what}_url_not_allowed")
+                           code=f"{self.what}_url_not_allowed", param="messages")
         if (parsed.hostname or "").lower() not in self.allowed_hosts:
             raise self._not_allowed()
         try:
@@ -55,13 +55,14 @@ class ImageFetcher:
         header, _, payload = url.partition(",")
         if ";base64" not in header:
             raise ApiError(400, f"{self.what} data URLs must be base64 encoded (data:{self.what}/..;base64,...)",
-                           code=f"invalid_{self.what}")
+                           code=f"invalid_{self.what}", param="messages")
         if len(payload) * 3 // 4 > self.max_bytes + 3:
             raise self._too_large()
         try:
             data = base64.b64decode(payload, validate=True)
         except (binascii.Error, ValueError):
-            raise ApiError(400, f"the {self.what} data URL is not valid base64", code=f"invalid_{self.what}") from None
+            raise ApiError(400, f"the {self.what} data URL is not valid base64", code=f"invalid_{self.what}",
+                           param="messages") from None
         if len(data) > self.max_bytes:
             raise self._too_large()
         return data
@@ -115,8 +116,10 @@ class ImageFetcher:
 
     def _not_allowed(self) -> ApiError:
         return ApiError(400, f"remote {self.what} URLs are refused: send the {self.what} as a data: URL, or allow its "
-                             "host in VLSCOPE_API_IMAGE_HOSTS", code=f"{self.what}_url_not_allowed")
+                             "host in VLSCOPE_API_IMAGE_HOSTS", code=f"{self.what}_url_not_allowed",
+                        param="messages")
 
     def _too_large(self) -> ApiError:
         return ApiError(413, f"{'a' if self.what == 'video' else 'an'} {self.what} is over the "
-                             f"{self.max_bytes // 1_000_000} MB limit", code=f"{self.what}_too_large")
+                             f"{self.max_bytes // 1_000_000} MB limit", code=f"{self.what}_too_large",
+                        param="messages")

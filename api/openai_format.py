@@ -17,7 +17,7 @@ def _content(content, fetch_image, max_pages: int | None = None, fetch_video=Non
     if isinstance(content, str):
         return content, (), ()
     if not isinstance(content, list):
-        raise ApiError(400, "message content must be a string or a list of parts")
+        raise ApiError(400, "message content must be a string or a list of parts", code="invalid_type", param="messages")
     texts, images, videos = [], [], []
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
@@ -27,7 +27,7 @@ def _content(content, fetch_image, max_pages: int | None = None, fetch_video=Non
             source = part.get("image_url")
             url = source.get("url") if isinstance(source, dict) else source
             if not isinstance(url, str):
-                raise ApiError(400, "image_url parts need an image_url.url string")
+                raise ApiError(400, "image_url parts need an image_url.url string", param="messages")
             data = fetch_image(url)
             images.append(Document(data, "document.pdf", max_pages=max_pages) if is_pdf(data) else data)
         elif kind == "file":
@@ -39,7 +39,8 @@ def _content(content, fetch_image, max_pages: int | None = None, fetch_video=Non
                 raise ApiError(400, "video_url parts need a video_url.url string", param="messages")
             videos.append(fetch_video(url))
         else:
-            raise ApiError(400, f"unsupported content part {kind!r}: use text, image_url, video_url and file parts")
+            raise ApiError(400, f"unsupported content part {kind!r}: use text, image_url, video_url and file parts",
+                           param="messages")
     return "\n".join(texts), tuple(images), tuple(videos)
 
 
@@ -161,10 +162,11 @@ def to_chat_request(body: dict, fetch_image, max_tokens_cap: int, allow_ignore_e
     elif top_logprobs is not None:
         raise ApiError(400, "top_logprobs needs logprobs: true", code="invalid_value", param="top_logprobs")
     tools, tool_choice, parallel_tool_calls = structured.tools(body)
+    schema, strict = structured.json_schema(body)
     return ChatRequest(
         prompt=last.text, images=last.images, videos=last.videos, history=tuple(turns[:-1]),
         prompt_role=last.role, video_fps=video_fps, video_max_frames=video_max_frames,
-        json_schema=structured.json_schema(body), tools=tools, tool_choice=tool_choice,
+        json_schema=schema, strict=strict, tools=tools, tool_choice=tool_choice,
         parallel_tool_calls=parallel_tool_calls,
         max_new_tokens=max_tokens, temperature=_number(body, "temperature", float, 0, 2),
         top_p=_number(body, "top_p", float, 0, 1, inclusive_low=False), source="api",
@@ -282,15 +284,23 @@ def completion(model: str, text: str | None, metrics: RequestMetrics, logprobs: 
         "model": model,
         "choices": [{"index": 0, "message": message,
                      "logprobs": None if logprobs is None else {"content": logprobs},
-                     "finish_reason": finish_reason(metrics, bool(tool_calls))}],
+                     "finish_reason": finish_reason(metrics, bool(tool_calls))} | schema_flag(metrics)],
         "usage": usage(metrics), "metrics": public_metrics(metrics),
     }
 
 
+def schema_flag(metrics: RequestMetrics) -> dict:
+    """An answer to a schema without `strict` that breaks what its grammar could not hold says so on its choice, in
+    vlscope's `schema_violations` (clients ignore fields they do not know); a valid answer carries nothing."""
+    return {"schema_violations": list(metrics.schema_violations)} if metrics.schema_violations else {}
+
+
 def chunk(request_id: str, model: str, created: int, delta: dict | None, finish: str | None = None,
-          logprobs: list[dict] | None = None, **extra) -> dict:
-    """A streamed chunk; `delta` None makes the final usage chunk, which has no choices (as OpenAI sends it)."""
+          logprobs: list[dict] | None = None, flag: dict | None = None, **extra) -> dict:
+    """A streamed chunk; `delta` None makes the final usage chunk, which has no choices (as OpenAI sends it). `flag`:
+    fields of the last choice (`schema_flag`)."""
     choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish,
-                                         "logprobs": None if logprobs is None else {"content": logprobs}}]
+                                         "logprobs": None if logprobs is None else {"content": logprobs}}
+                                        | (flag or {})]
     return {"id": f"chatcmpl-{request_id}", "object": "chat.completion.chunk", "created": created, "model": model,
             "choices": choices, **extra}

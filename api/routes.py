@@ -22,16 +22,16 @@ from engine import (Busy, Cancelled, ChatRequest, InsufficientMemory, InvalidIma
 from engine.inputs.limits import max_messages
 from engine.records.stages import PREFILL, VISION_ENCODE
 from engine.records.trace import refusal_record
+from engine.structured.tool_calls import ToolCallParser, split_calls
 from server.slot import engine_slot, ensure_loaded, get_store, server_settings, shutdown
 
 from . import prometheus, refusals
 from .body import body_limit
 from .guard import API_PREFIXES, authorized
 from .image_fetch import ImageFetcher
-from .tool_calls import ToolCallParser, split_calls
 from .errors import ApiError, error_response
 from .openai_format import (chunk, completion, finish_reason, logprobs_content, model_entry, public_metrics,
-                            served_model_name, stream_settings, to_chat_request, usage)
+                            schema_flag, served_model_name, stream_settings, to_chat_request, usage)
 
 log = logging.getLogger(__name__)
 MAX_JSON_CONTAINERS = 200_000  # objects and arrays: above the text limit's characters plus a request's structure
@@ -99,7 +99,7 @@ def _engine_error(exc: VlscopeError) -> ApiError:
     elif isinstance(exc, Cancelled):  # the client went away: nobody reads this
         error = ApiError(499, exc.message, code=exc.kind)
     elif isinstance(exc, (InvalidImage, InvalidVideo, InvalidPrompt, InvalidSchema, PromptTooLong)):
-        error = ApiError(400, exc.message, "invalid_request_error", exc.kind, param=getattr(exc, "about", None))
+        error = ApiError(400, exc.message, "invalid_request_error", exc.kind, param=exc.about)
     elif isinstance(exc, InsufficientMemory):
         error = ApiError(503, exc.message, "server_error", exc.kind, retry_after=30)
     else:
@@ -330,10 +330,11 @@ async def _sse(handle, early: list, events, model: str, include_usage: bool, tok
         held_logprobs.extend(logprobs)
         found = [text] if parser is None else parser.feed(text) + (parser.finish() if last else [])
         for piece in found:
-            delta = {"content": piece} if isinstance(piece, str) else {"tool_calls": [piece.as_openai(True)]}
-            shown = logprobs_content(held_logprobs, token_text) if token_text else None
-            held_logprobs.clear()
-            yield event(chunk(handle.id, model, created, delta, logprobs=shown))
+            for delta in ([{"content": piece}] if isinstance(piece, str)
+                          else [{"tool_calls": [part]} for part in piece.deltas()]):
+                shown = logprobs_content(held_logprobs, token_text) if token_text else None
+                held_logprobs.clear()
+                yield event(chunk(handle.id, model, created, delta, logprobs=shown))
 
     yield event(chunk(handle.id, model, created, {"role": "assistant", "content": ""}))
     try:
@@ -348,7 +349,7 @@ async def _sse(handle, early: list, events, model: str, include_usage: bool, tok
                 # usage comes only when asked, in a chunk of its own with no choices, as OpenAI sends it.
                 called = parser is not None and bool(parser.calls)
                 yield event(chunk(handle.id, model, created, {}, finish_reason(item, called),
-                                  metrics=public_metrics(item)))
+                                  flag=schema_flag(item), metrics=public_metrics(item)))
                 if include_usage:
                     yield event(chunk(handle.id, model, created, None, usage=usage(item)))
     except VlscopeError as exc:

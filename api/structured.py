@@ -22,7 +22,9 @@ class JsonSchemaSpec(_Lenient):
     name: str = Field(default="answer", pattern=NAME)
     description: str = ""
     schema_: Union[dict, bool] = Field(alias="schema")
-    strict: bool | None = None  # enforced either way: every answer that stops is valid against the schema
+    # true: held exactly, or refused. Absent or false: held to the closest grammar, and a finished answer that breaks
+    # what the grammar could not hold is flagged (`schema_violations`), as OpenAI reads `strict`.
+    strict: bool | None = None
 
 
 class ResponseFormat(_Lenient):
@@ -33,7 +35,7 @@ class ResponseFormat(_Lenient):
 class FunctionSpec(_Lenient):
     name: str = Field(pattern=NAME)
     description: str = ""
-    parameters: dict = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    parameters: dict | None = None  # None: the function takes no arguments (engine.Tool's default)
     strict: bool | None = None
 
 
@@ -72,20 +74,22 @@ def _parsed(model, value, param: str):
         raise ApiError(400, f"{where}: {first['msg']}", code="invalid_value", param=where) from None
 
 
-def json_schema(body: dict) -> str | None:
-    """The JSON Schema the answer must follow, as JSON text (its properties in the client's order); None: free text."""
+def json_schema(body: dict) -> tuple[str | None, bool]:
+    """(the JSON Schema the answer must follow, as JSON text with its properties in the client's order, or None for
+    free text; whether it is strict)."""
     value = body.get("response_format")
     if value is None:
-        return None
+        return None, True
     response_format = _parsed(ResponseFormat, value, "response_format")
     if response_format.type == "text":
-        return None
+        return None, True
     if response_format.type == "json_object":
-        return '{"type": "object"}'
+        return '{"type": "object"}', True
     if response_format.json_schema is None:
         raise ApiError(400, "response_format of type json_schema needs a json_schema object with a schema",
                        code="invalid_value", param="response_format")
-    return json.dumps(response_format.json_schema.schema_, ensure_ascii=False)
+    spec = response_format.json_schema
+    return json.dumps(spec.schema_, ensure_ascii=False), bool(spec.strict)
 
 
 def tools(body: dict) -> tuple[tuple[Tool, ...], str, bool]:
@@ -100,8 +104,11 @@ def tools(body: dict) -> tuple[tuple[Tool, ...], str, bool]:
     if not isinstance(listed, list):
         raise ApiError(400, "tools must be a list of function definitions", code="invalid_type", param="tools")
     specs = [_parsed(ToolSpec, item, f"tools[{index}]") for index, item in enumerate(listed)]
-    offered = tuple(Tool(spec.function.name, spec.function.description,
-                         json.dumps(spec.function.parameters, ensure_ascii=False)) for spec in specs)
+    offered = tuple(Tool(spec.function.name, spec.function.description)
+                    if spec.function.parameters is None else
+                    Tool(spec.function.name, spec.function.description,
+                         json.dumps(spec.function.parameters, ensure_ascii=False), bool(spec.function.strict))
+                    for spec in specs)
     choice = body.get("tool_choice")
     if choice is None:
         choice = "auto"

@@ -123,10 +123,10 @@ def check_structure(request: ChatRequest) -> None:
         return
     if request.ignore_eos:
         raise InvalidPrompt("ignore_eos cannot be combined with a response format or forced tool calls: the answer "
-                            "ends where its JSON does")
+                            "ends where its JSON does", about="ignore_eos")
     if request.stop:
         raise InvalidPrompt("stop strings cannot be combined with a response format or forced tool calls: they could "
-                            "cut the JSON short; use max_tokens to bound the answer")
+                            "cut the JSON short; use max_tokens to bound the answer", about="stop")
 
 
 class StreamingMixin:

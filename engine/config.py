@@ -105,7 +105,7 @@ class EngineConfig:
     video_fps: float = 2.0
     video_max_tokens: int = 2048
     # Structured answers (response_format, tools): checked and compiled at submit, refused with a 400 over these.
-    max_schema_bytes: int = 64 * 1024  # a response format's schema, or all tools' definitions together
+    max_schema_bytes: int = 256 * 1024  # a response format's schema, or all tools' definitions together
     max_schema_depth: int = 32  # objects and arrays nested in a schema
     max_tools: int = 128
     grammar_compile_seconds: float = 2.0  # a schema whose grammar takes longer to build is refused as too complex

@@ -5,31 +5,39 @@ class VlscopeError(Exception):
     """Base of every error the engine raises on purpose. `kind` is a short stable name for metrics and APIs."""
 
     kind = "error"
+    about: str | None = None  # the part of the request at fault, as the API's `param` names it
 
-    def __init__(self, message: str):
+    def __init__(self, message: str, about: str | None = None):
         super().__init__(message)
         self.message = message
+        if about is not None:
+            self.about = about
         self.metrics = None  # the request's RequestMetrics, when the error belongs to a request
 
 
 class InvalidImage(VlscopeError):
     kind = "invalid_image"
+    about = "messages"
 
 
 class InvalidVideo(VlscopeError):
     """A clip that cannot be read, has no video stream or frames, or is beyond a limit: refused before decoding."""
 
     kind = "invalid_video"
+    about = "messages"
 
 
 class PromptTooLong(VlscopeError):
     kind = "prompt_too_long"
+    about = "messages"
 
 
 class InvalidPrompt(VlscopeError):
-    """The text carries one of the chat template's control tokens, which would act as one."""
+    """The text carries one of the chat template's control tokens, which would act as one, or a setting that cannot
+    go with the rest of the request."""
 
     kind = "invalid_prompt"
+    about = "messages"
 
 
 class InvalidSchema(VlscopeError):
@@ -38,12 +46,12 @@ class InvalidSchema(VlscopeError):
     too_many_tools)."""
 
     kind = "invalid_schema"
+    about = "response_format"  # or tools
 
-    def __init__(self, message: str, kind: str | None = None, about: str = "response_format"):
-        super().__init__(message)
+    def __init__(self, message: str, kind: str | None = None, about: str | None = None):
+        super().__init__(message, about)
         if kind is not None:
             self.kind = kind
-        self.about = about  # the part of the request at fault: response_format or tools
 
 
 class InsufficientMemory(VlscopeError):

@@ -21,7 +21,6 @@ from .errors import (
     Busy,
     GenerationFailed,
     InvalidImage,
-    InvalidSchema,
     InvalidVideo,
     ModelUnavailable,
     PromptTooLong,
@@ -29,25 +28,41 @@ from .errors import (
 )
 from .inputs.video import request_videos
 from .records.metrics import current_rss
-from .request import ChatRequest, TextChunk
+from .request import TOOL_CHOICES, ChatRequest, TextChunk
 from .records.info import EngineInfo
 from .records.store import MetricsStore, open_store
 from .records.stages import CANCELLED, DECODE, ERROR, OK, REFUSED, SERVER_FIRST_TOKEN, UPLOAD
 from .records.trace import RequestTrace
-from .structured.compiler import check_schema
+from .structured.compiler import check_schema, check_tools
+from .structured.tool_calls import call_text
 
 log = logging.getLogger(__name__)
 
 
 def _constrain(request: ChatRequest, config: EngineConfig) -> None:
-    """A schema goes on to the remote server as its response format; calls would come back in a form this client
-    does not read yet, so tools are refused."""
-    if request.tools and request.tool_choice != "none":
-        raise InvalidSchema("tools are not available through a remote backend: send them to the remote server "
-                            "directly", "unsupported_schema", "tools")
+    """A schema and tools go on to the remote server, which holds its answer to them; they are checked here first,
+    as the local engine checks them."""
+    if request.tools:
+        check_tools(request.tools, config)
     if request.json_schema is not None:
         check_schema(request.json_schema, "the response format's schema", config.max_schema_depth)
     return None
+
+
+def _tool_choice(choice: str):
+    return choice if choice in TOOL_CHOICES else {"type": "function", "function": {"name": choice}}
+
+
+def _unanswered_call(request: ChatRequest) -> str:
+    """The id of the call a tool's result in the prompt answers: the last assistant turn's first call that no tool
+    turn after it answered (the prompt carries no id of its own)."""
+    answered: set[str] = set()
+    for turn in reversed(request.history):
+        if turn.role == "tool":
+            answered.add(turn.tool_call_id)
+        elif turn.role == "assistant" and turn.tool_calls:
+            return next((call.id for call in turn.tool_calls if call.id not in answered), "")
+    return ""
 
 
 class RemoteEngine(StreamingMixin):
@@ -141,9 +156,18 @@ class RemoteEngine(StreamingMixin):
                     "url": "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()}})
             return parts + [{"type": "text", "text": text}]
 
+        def message(role: str, text: str, count: int, calls=(), call_id: str = "") -> dict:
+            sent = {"role": role, "content": content(text, count)}
+            if calls:
+                sent["tool_calls"] = [{"id": call.id or f"call_{index}", "type": "function",
+                                       "function": {"name": call.name, "arguments": call.arguments}}
+                                      for index, call in enumerate(calls)]
+            return sent | ({"tool_call_id": call_id} if role == "tool" else {})
+
         request = state.request
-        messages = [{"role": t.role, "content": content(t.text, len(t.images))} for t in request.history]
-        return messages + [{"role": "user", "content": content(request.prompt, len(request.images))}]
+        messages = [message(t.role, t.text, len(t.images), t.tool_calls, t.tool_call_id) for t in request.history]
+        return messages + [message(request.prompt_role, request.prompt, len(request.images),
+                                   call_id=_unanswered_call(request))]
 
     def _run(self, state: RequestState) -> None:
         trace = state.trace
@@ -160,7 +184,14 @@ class RemoteEngine(StreamingMixin):
             body["stop"] = list(params.stop)
         if request.json_schema is not None:  # the remote server holds its answer to the schema
             body["response_format"] = {"type": "json_schema", "json_schema": {
-                "name": "answer", "schema": json.loads(request.json_schema), "strict": True}}
+                "name": "answer", "schema": json.loads(request.json_schema), "strict": request.strict}}
+        if request.tools:  # the remote server holds its calls to the tools' schemas; they come back as calls
+            body["tools"] = [{"type": "function", "function": {
+                "name": tool.name, "description": tool.description, "parameters": json.loads(tool.parameters),
+                "strict": tool.strict}}
+                for tool in request.tools]
+            body["tool_choice"] = _tool_choice(request.tool_choice)
+            body["parallel_tool_calls"] = request.parallel_tool_calls
         if params.seed is not None:
             body["seed"] = params.seed
         if params.logit_bias:
@@ -211,6 +242,7 @@ class RemoteEngine(StreamingMixin):
 
     def _read_lines(self, state: RequestState, trace: RequestTrace, response, started: float, chunk_times: list[float],
                     dropped: list[str]) -> str:
+        calls = RemoteCalls()
         for line in response.iter_lines():
             if state.cancelled.is_set():
                 return CANCELLED  # leaving the with-block closes the connection: the server stops too
@@ -236,14 +268,19 @@ class RemoteEngine(StreamingMixin):
                 if text is not None and not isinstance(text, str):
                     dropped.append(f"content of type {type(text).__name__}")
                     text = None
-                if text:
+                called = calls.read(delta.get("tool_calls") if isinstance(delta, dict) else None, dropped)
+                if text or called:
                     chunk_times.append(time.perf_counter())
                     if len(chunk_times) == 1:
                         trace.first_token()
                         trace.announce(DECODE)
-                    state.events.put(TextChunk(text))
-                if choice.get("finish_reason") in ("stop", "length"):  # the server's word, from its own answers
-                    trace.finish_reason = choice["finish_reason"]
+                if text:
+                    state.events.put(TextChunk(calls.text(finished=True) + text))
+                finish = choice.get("finish_reason")
+                if finish in ("stop", "length", "tool_calls"):  # the server's word, from its own answers
+                    trace.finish_reason = "length" if finish == "length" else "stop"
+                    if calls.pending:
+                        state.events.put(TextChunk(calls.text(finished=finish != "length")))
             usage = data.get("usage")
             if isinstance(usage, dict):
                 prompt, completion = _count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens"))
@@ -254,6 +291,8 @@ class RemoteEngine(StreamingMixin):
             reported = data.get("metrics") or data.get("timings")
             if reported is not None:
                 trace.server_metrics = server_metrics(reported, dropped) or trace.server_metrics
+        if calls.pending:  # a stream that ended without a finish reason: the calls as far as they came
+            state.events.put(TextChunk(calls.text(finished=False)))
         if len(chunk_times) > 1:
             trace.add(DECODE, chunk_times[-1] - chunk_times[0])
             trace.decode_tokens_per_s = (len(chunk_times) - 1) / (chunk_times[-1] - chunk_times[0])
@@ -261,6 +300,45 @@ class RemoteEngine(StreamingMixin):
         trace.output_tokens = trace.output_tokens or len(chunk_times)
         trace.vision_tokens = int(_number((trace.server_metrics or {}).get("vision_tokens")) or 0)
         return OK
+
+
+class RemoteCalls:
+    """The remote server's streamed calls (`delta.tool_calls`: a call's name with its first delta, its arguments over
+    later ones, by index), gathered until they are whole."""
+
+    def __init__(self):
+        self.calls: dict[int, list[str]] = {}  # index: [name, arguments so far]
+
+    @property
+    def pending(self) -> bool:
+        return bool(self.calls)
+
+    def read(self, deltas, dropped: list[str]) -> bool:
+        """Take a delta's calls in; whether it carried any."""
+        if deltas is None:
+            return False
+        if not isinstance(deltas, list):
+            dropped.append("tool_calls that are not a list")
+            return False
+        for delta in deltas:
+            function = delta.get("function") if isinstance(delta, dict) else None
+            index = delta.get("index", 0) if isinstance(delta, dict) else None
+            if not isinstance(function, dict) or isinstance(index, bool) or not isinstance(index, int):
+                dropped.append("a tool call delta without an index and a function")
+                continue
+            call = self.calls.setdefault(index, ["", ""])
+            name, arguments = function.get("name"), function.get("arguments")
+            call[0] += name if isinstance(name, str) and not call[0] else ""
+            call[1] += arguments if isinstance(arguments, str) else ""
+        return bool(deltas)
+
+    def text(self, finished: bool) -> str:
+        """The gathered calls as the model's own blocks, and forgotten; the last one cut when not `finished`."""
+        ordered = [self.calls[index] for index in sorted(self.calls)]
+        self.calls.clear()
+        return "\n".join(call_text(name, arguments or "{}" if finished else arguments,
+                                   finished or number < len(ordered) - 1)
+                         for number, (name, arguments) in enumerate(ordered))
 
 
 STAGE_NAME = re.compile(r"[a-z][a-z0-9_]{0,39}")

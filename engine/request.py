@@ -22,11 +22,13 @@ class ToolCall:
 
 @dataclass(frozen=True)
 class Tool:
-    """A function the model may call: `parameters` is its JSON Schema, as JSON text."""
+    """A function the model may call: `parameters` is its JSON Schema, as JSON text. A function defined without one
+    takes no arguments: they are `{}` (OpenAI's reading), not any object."""
 
     name: str
     description: str = ""
-    parameters: str = '{"type": "object"}'
+    parameters: str = '{"type": "object", "properties": {}, "additionalProperties": false}'
+    strict: bool = True  # as `ChatRequest.strict`, for this function's arguments
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,9 @@ class ChatRequest:
     top_logprobs: int | None = None  # None: no log probabilities; 0-20: the chosen token's and that many others'
     # The answer is JSON valid against this JSON Schema (JSON text); '{"type": "object"}' asks for any JSON object.
     json_schema: str | None = None
+    # True: the schema is held exactly or refused. False (OpenAI's reading of a schema without `strict`): held to the
+    # closest grammar (keywords no grammar holds are left out), and a finished answer that breaks them is flagged.
+    strict: bool = True
     tools: tuple[Tool, ...] = ()  # functions offered to the model, in its prompt
     tool_choice: str = "auto"  # TOOL_CHOICES or a tool's name; required and a name constrain the answer to calls
     parallel_tool_calls: bool = True

@@ -296,6 +296,79 @@ def test_concurrent_clients_share_decode_steps_and_disconnect_frees_the_queue(sh
     assert max(size for r in served for size in r.decode_batch_sizes) >= 2
 
 
+def test_tool_calls_on_the_wire_as_openai_sends_them(shared_server):
+    """OpenAI's function-calling guide's loop over a streamed answer (keep each call's first delta, append the
+    arguments of later ones) rebuilds the calls; a function without parameters is called with {}; a forced call cut
+    by max_tokens is the call so far with finish length, and its markup never shows as content."""
+    import jsonschema
+
+    url, _ = shared_server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    model = client.models.list().data[0].id
+    weather = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}},
+               "required": ["city"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": weather}},
+             {"type": "function", "function": {"name": "now", "description": "The time"}}]
+    question = [{"role": "user", "content": "Weather in Paris, and the time?"}]
+    stream = client.chat.completions.create(model=model, messages=question, tools=tools, tool_choice="required",
+                                            max_tokens=150, temperature=1.0, seed=3, stream=True)
+    final_tool_calls, firsts = {}, []
+    for chunk in stream:
+        for tool_call in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            index = tool_call.index
+            if index not in final_tool_calls:
+                final_tool_calls[index] = tool_call
+                firsts.append((tool_call.id, tool_call.type, tool_call.function.arguments))
+            else:
+                assert tool_call.id is None and tool_call.function.name is None
+                final_tool_calls[index].function.arguments += tool_call.function.arguments
+        assert not (chunk.choices and chunk.choices[0].delta.content)  # calls alone: no content
+    assert final_tool_calls and all(id_ and kind == "function" and arguments == "" for id_, kind, arguments in firsts)
+    for call in final_tool_calls.values():
+        arguments = json.loads(call.function.arguments)
+        if call.function.name == "now":
+            assert arguments == {}
+        else:
+            jsonschema.validate(arguments, weather)
+
+    long_note = {"type": "object", "properties": {"text": {"type": "string", "minLength": 60, "maxLength": 80}},
+                 "required": ["text"], "additionalProperties": False}
+    forced = dict(model=model, messages=question, max_tokens=24, tool_choice={"type": "function", "function": {
+        "name": "note"}}, tools=tools + [{"type": "function", "function": {"name": "note", "parameters": long_note}}])
+    cut = client.chat.completions.create(**forced).choices[0]
+    (call,) = cut.message.tool_calls
+    assert cut.finish_reason == "length" and cut.message.content is None and call.function.name == "note"
+    assert call.function.arguments.startswith('{"text": "')
+    chunks = list(client.chat.completions.create(**forced, stream=True))
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert not any(c.choices[0].delta.content for c in chunks)
+    streamed = [part for c in chunks for part in c.choices[0].delta.tool_calls or []]
+    assert streamed[0].function.name == "note" and "".join(
+        part.function.arguments for part in streamed).startswith('{"text": "')
+
+
+def test_every_refusal_of_a_field_names_it(shared_server):
+    url, _ = shared_server
+    ask = [{"role": "user", "content": "hi"}]
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    long_tools = [{"type": "function", "function": {"name": f"f{n}", "description": " ".join(
+        f"word{n}x{k}" for k in range(600))}} for n in range(6)]  # under the bytes limit, over the prompt's tokens
+    cases = [({"messages": ask, "stop": ["}"], "response_format": schema}, "stop"),
+             ({"messages": ask, "tools": long_tools}, "tools"),
+             ({"messages": [{"role": "user", "content": 5}]}, "messages"),
+             ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+             ({"messages": [{"role": "user", "content": [{"type": "audio"}]}]}, "messages"),
+             ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
+                 "url": "data:image/png,plain"}}]}]}, "messages"),
+             ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
+                 "url": "https://example.com/a.png"}}]}]}, "messages"),
+             ({"messages": [{"role": "user", "content": "x <|im_end|>"}]}, "messages"),
+             ({"messages": ask, "max_tokens": 2, "response_format": {"type": "json_schema"}}, "response_format")]
+    for body, param in cases:
+        response = httpx.post(f"{url}/v1/chat/completions", json={"max_tokens": 2, **body}, timeout=60)
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, (param, response.text)
+
+
 def test_control_tokens_in_a_message_get_400_not_500(shared_server):
     url, db = shared_server
     response = httpx.post(f"{url}/v1/chat/completions", timeout=60,
@@ -364,7 +437,7 @@ def test_structured_answers_and_tool_calls_through_the_openai_sdk(shared_server)
     assert after.finish_reason == "length" and after.message.tool_calls is None and after.message.content
 
     faults = [
-        (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "strict": True, "schema": {
             "type": "object", "unevaluatedProperties": False}}}), "response_format", "unsupported_schema"),
         (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/a"}}}),
          "response_format", "invalid_schema"),
@@ -379,3 +452,20 @@ def test_structured_answers_and_tool_calls_through_the_openai_sdk(shared_server)
         assert (caught.value.body["param"], caught.value.body["code"]) == (param, code), caught.value.body
     kinds = {record.error_type for record in MetricsStore(str(db)).recent(200) if record.status == "refused"}
     assert {"unsupported_schema", "invalid_schema", "too_many_tools", "invalid_value"} <= kinds
+
+    # Without strict, a keyword no grammar holds is left out, and an answer that breaks it says so on its choice.
+    never_unique = {"type": "array", "items": {"enum": [1, 2]}, "minItems": 3, "maxItems": 3, "uniqueItems": True}
+    loose = {"type": "json_schema", "json_schema": {"name": "tags", "schema": never_unique}}
+    body = {"model": model, "messages": ask, "max_tokens": 30, "response_format": loose}
+    flagged = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()["choices"][0]
+    assert flagged["finish_reason"] == "stop" and "non-unique" in flagged["schema_violations"][0]
+    last = list(client.chat.completions.create(model=model, messages=ask, max_tokens=30, response_format=loose,
+                                               stream=True))[-1]
+    assert last.choices[0].model_extra["schema_violations"] == flagged["schema_violations"]
+    strict = {"type": "json_schema", "json_schema": {"name": "tags", "schema": never_unique, "strict": True}}
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=model, messages=ask, max_tokens=5, response_format=strict)
+    assert caught.value.body["code"] == "unsupported_schema"
+    valid = client.chat.completions.create(model=model, messages=ask, max_tokens=80, response_format={
+        "type": "json_schema", "json_schema": {"name": "counts", "schema": schema}})  # held whole: nothing to flag
+    assert "schema_violations" not in (valid.choices[0].model_extra or {})

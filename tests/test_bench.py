@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -369,6 +370,28 @@ def test_grammars_measures_a_schema_set_and_names_what_it_refuses(tmp_path):
     assert (ours["schemas"], ours["compiled"], ours["refusals"]) == (2, 1, {"unsupported_schema": 1})
     assert (ours["instances"], ours["agreed"], ours["accepted_invalid"]) == (4, 4, 0)
     assert ours["compile_ms"]["p50"] > 0 and "| llguidance | 1 of 2 (50%)" in out.with_suffix(".md").read_text()
+
+
+def test_schemas_counts_what_strict_refuses_and_what_lenient_loosens(tmp_path):
+    """`python -m bench.schemas`: a set in JSONSchemaBench's layout, each schema compiled as a response format with
+    and without strict, at the server's limits (here a small VLSCOPE_MAX_SCHEMA_BYTES)."""
+    for category, schemas in {"plain": [{"type": "object", "properties": {"a": {"type": "integer"}}}],
+                              "odd": [{"type": "array", "uniqueItems": True},
+                                      {"oneOf": [{"type": "integer"}, {"minimum": 2}]},
+                                      {"enum": ["x" * 300, "y" * 300]}]}.items():
+        (tmp_path / "set" / category).mkdir(parents=True)
+        for index, schema in enumerate(schemas):
+            (tmp_path / "set" / category / f"{index}.json").write_text(json.dumps(schema))
+    out = tmp_path / "schemas.json"
+    run = subprocess.run([sys.executable, "-m", "bench.schemas", "--set", str(tmp_path / "set"), "--out", str(out),
+                          "--model", str(FULL_SKELETON)], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "VLSCOPE_MAX_SCHEMA_BYTES": "512"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    odd, plain = json.loads(out.read_text())
+    assert (plain["schemas"], plain["strict"], plain["lenient"], plain["loosened"]) == (1, 1, 1, 0)
+    assert (odd["schemas"], odd["strict"], odd["lenient"], odd["loosened"]) == (3, 0, 2, 2)
+    assert odd["refusals"] == {"schema_too_large": 1}
+    assert "| **all** | 4 | 1 (25%) | 3 (75%) | 2 |" in out.with_suffix(".md").read_text()
 
 
 def test_the_settings_line_says_what_four_bits_cost():

@@ -4,12 +4,14 @@ from __future__ import annotations
 import json
 import time
 
+import jsonschema
 import openai
 import pytest
 from streamlit.testing.v1 import AppTest
 
+from engine.structured.tool_calls import split_calls
 from engine import (STAGES, Busy, ChatRequest, EngineConfig, GenerationFailed, InvalidImage, InvalidSchema,
-                    MetricsStore, PromptTooLong, RequestMetrics, TextChunk, Tool)
+                    MetricsStore, PromptTooLong, RequestMetrics, TextChunk, Tool, ToolCall, Turn)
 from engine.remote import RemoteEngine
 from fixtures.hostile_backend import HOSTILE_ANSWERS, serve
 from server.slot import shutdown
@@ -63,14 +65,28 @@ def test_remote_engine_streams_measures_and_cancels(backend, images_dir, tmp_pat
     with pytest.raises(PromptTooLong):
         engine.ask(ChatRequest(prompt="word " * 600))
 
-    # A response format goes on to the backend, which holds its answer to it; tools are refused here, by name.
+    # A response format and tools go on to the backend, which holds its answer to them; its calls come back as
+    # calls (the model's own blocks in the answer's text, which the API reads as calls), and the turn that answers
+    # them goes back with the calls' ids.
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
               "additionalProperties": False}
     answer = engine.ask(ChatRequest(prompt="ok?", json_schema=json.dumps(schema), max_new_tokens=20))
     assert set(json.loads(answer.text)) == {"ok"} and answer.metrics.finish_reason == "stop"
-    with pytest.raises(InvalidSchema) as caught:
-        engine.ask(ChatRequest(prompt="x", tools=(Tool("f"),), tool_choice="required"))
-    assert caught.value.kind == "unsupported_schema" and "remote backend" in caught.value.message
+    city = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"],
+            "additionalProperties": False}
+    tools = (Tool("get_weather", "", json.dumps(city)), Tool("now"))
+    answer = engine.ask(ChatRequest(prompt="Weather?", tools=tools, tool_choice="required", max_new_tokens=120))
+    content, calls = split_calls(answer.text, frozenset({"get_weather", "now"}))
+    assert content is None and calls and answer.metrics.finish_reason == "stop", answer.text
+    for call in calls:
+        jsonschema.validate(json.loads(call.arguments), city if call.name == "get_weather" else {"maxProperties": 0})
+    turns = (Turn("user", "Weather?"), Turn("assistant", "", tool_calls=(ToolCall(calls[0].name, calls[0].arguments,
+                                                                                  "call_1"),)))
+    after = engine.ask(ChatRequest(prompt="18 C", prompt_role="tool", history=turns, tools=tools, max_new_tokens=4))
+    assert after.metrics.status == "ok" and after.text
+    with pytest.raises(InvalidSchema) as caught:  # checked here first, as the local engine checks them
+        engine.ask(ChatRequest(prompt="x", tools=(Tool("f", "", '{"type": "strin"}'),), tool_choice="required"))
+    assert caught.value.about == "tools"
 
 
 def test_vlscope_in_front_of_vlscope_api_and_app(backend, tiny_model, images_dir, tmp_path, monkeypatch):
@@ -82,6 +98,10 @@ def test_vlscope_in_front_of_vlscope_api_and_app(backend, tiny_model, images_dir
         answer = client.chat.completions.create(model=client.models.list().data[0].id, messages=[{"role": "user", "content": "hello"}], max_tokens=5)
         assert answer.choices[0].message.content
         assert MetricsStore(backend_db).recent(1)[0].output_tokens == 5  # served by the backend
+        called = client.chat.completions.create(model=answer.model, messages=[{"role": "user", "content": "hi"}],
+                                                max_tokens=60, tool_choice="required", parallel_tool_calls=False,
+                                                tools=[{"type": "function", "function": {"name": "now"}}]).choices[0]
+        assert called.finish_reason == "tool_calls" and called.message.tool_calls[0].function.arguments == "{}"
     finally:
         process.terminate()
         process.wait(20)

@@ -9,7 +9,7 @@ import json
 import jsonschema
 import pytest
 
-from api.tool_calls import ToolCallParser, split_calls
+from engine.structured.tool_calls import ToolCallParser, split_calls
 from engine import ChatRequest, InvalidPrompt, InvalidSchema, MetricsStore, TextChunk, Tool
 from engine.records.stages import GRAMMAR, REFUSED
 from engine.structured.matcher import live_matchers
@@ -155,6 +155,32 @@ def test_bad_schemas_and_tool_sets_are_refused_by_kind_before_queueing(make_engi
     assert engine.queue_depth == 0
 
 
+def test_a_schema_without_strict_is_held_to_the_closest_grammar_and_a_broken_answer_is_flagged(engine):
+    """strict: exactly or refused. Without: keywords no grammar holds are left out of the grammar, named in the
+    record, and a finished answer that breaks them is flagged there, never silently."""
+    never_unique = {"type": "array", "items": {"enum": [1, 2]}, "minItems": 3, "maxItems": 3, "uniqueItems": True}
+    with pytest.raises(InvalidSchema) as caught:
+        engine.submit(ChatRequest(prompt="hi", json_schema=json.dumps(never_unique)))
+    assert caught.value.kind == "unsupported_schema" and "uniqueItems" in caught.value.message
+    answer = engine.ask(ChatRequest(prompt="hi", json_schema=json.dumps(never_unique), strict=False,
+                                    max_new_tokens=30))
+    assert answer.metrics.finish_reason == "stop" and len(json.loads(answer.text)) == 3
+    assert any("uniqueItems" in words for words in answer.metrics.schema_loosened)
+    assert answer.metrics.schema_violations and "non-unique" in answer.metrics.schema_violations[0]
+    stored = MetricsStore(engine.config.db_path).get(answer.metrics.id)
+    assert stored.schema_violations == answer.metrics.schema_violations
+
+    held = engine.ask(ChatRequest(prompt="hi", json_schema=json.dumps(SCHEMAS[0]), strict=False, max_new_tokens=80))
+    assert held.metrics.schema_loosened == () == held.metrics.schema_violations  # held whole: nothing to flag
+    odd = Tool("tag", "", json.dumps({"type": "object", "properties": {"tags": never_unique}, "required": ["tags"],
+                                      "additionalProperties": False}), strict=False)
+    called = engine.ask(ChatRequest(prompt="tag it", tools=(odd,), tool_choice="tag", max_new_tokens=60))
+    assert called.metrics.schema_violations and called.metrics.schema_violations[0].startswith("tag: tags")
+    for schema in ({"oneOf": [{"type": "integer"}, {"minimum": 2}]}, {"type": "string", "format": "colour"},
+                   {"type": "object", "dependencies": {"a": ["b"]}}, {"not": {"type": "string"}}):
+        engine.submit(ChatRequest(prompt="hi", json_schema=json.dumps(schema), strict=False, max_new_tokens=1)).cancel()
+
+
 def test_a_cancel_frees_the_matcher_and_the_queue(engine):
     schema = {"type": "array", "items": {"type": "integer"}, "maxItems": 10_000}
     handle = engine.submit(ChatRequest(prompt="count", json_schema=json.dumps(schema), max_new_tokens=500))
@@ -184,4 +210,46 @@ def test_the_tool_call_reader_keeps_what_does_not_parse_as_text():
     assert split_calls("no calls, just <tool_ talk", names) == ("no calls, just <tool_ talk", [])
     content, (only,) = split_calls(text, names, max_calls=1)  # parallel_tool_calls false: later blocks stay text
     assert only.name == "f" and '"name": "g"' in content
-    assert split_calls('<tool_call>\n{"name": "f", "argu', names)[1] == []  # cut short: stays text
+    # Cut by max_tokens: the call so far when its function is known, and never the markup as content.
+    assert split_calls('<tool_call>\n{"name": "f", "argu', names) == ("", [])
+    content, (cut,) = split_calls('Sure.\n<tool_call>\n{"name": "g", "arguments": {"b": 2', names)
+    assert content == "Sure." and (cut.name, cut.arguments) == ("g", '{"b": 2')
+    assert split_calls('<tool_call>\n{"na', frozenset({"f"}))[1][0].name == "f"  # the only function offered
+    first, rest = cut.deltas()  # streamed as OpenAI streams a call: the name first, then the arguments alone
+    assert first == {"index": 0, "id": cut.id, "type": "function", "function": {"name": "g", "arguments": ""}}
+    assert rest == {"index": 0, "function": {"arguments": '{"b": 2'}}
+
+
+def test_auto_calls_are_held_to_their_schemas_and_free_text_stays_free(engine):
+    """With tool_choice auto, text is free (every token allowed, the answer as without a grammar) and a call the
+    model opens is held to its function's schema, then text is free again."""
+    from engine.structured.compiler import GrammarCompiler
+    from engine.structured.matcher import GrammarMatcher
+
+    loaded = engine.loaded
+    open_id = loaded.tokenizer.convert_tokens_to_ids("<tool_call>")
+    weather = Tool("get_weather", "Weather now", json.dumps({
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["C", "F"]}},
+        "required": ["city", "unit"], "additionalProperties": False}))
+    plain = Tool("now")  # no parameters: its arguments are {}
+    request = ChatRequest(prompt="Weather in Paris?", tools=(weather, plain), max_new_tokens=40)
+    grammar = GrammarCompiler(loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids).for_request(
+        request, engine.config)
+    matcher = GrammarMatcher(grammar, loaded.vocab_size, loaded.eos_token_ids)
+    for token in loaded.tokenizer.encode("Free text, with <b>tags</b> and {braces}: "):
+        matcher.fill_mask()
+        assert int(sum(bin(word & 0xFFFFFFFF).count("1") for word in matcher._bits.tolist())) == loaded.vocab_size
+        matcher.accept(token)
+
+    for seed in range(3):  # the model is pushed to open a call at once: what follows is held to the schema
+        answer = engine.ask(ChatRequest(prompt="Weather in Paris?", tools=(weather, plain), parallel_tool_calls=False,
+                                        logit_bias=((open_id, 100.0),), temperature=1.0, seed=seed,
+                                        max_new_tokens=80))
+        content, calls = split_calls(answer.text, frozenset({"get_weather", "now"}), max_calls=1)
+        assert len(calls) == 1 and answer.text.startswith("<tool_call>"), answer.text
+        call = calls[0]
+        schema = json.loads((weather if call.name == "get_weather" else plain).parameters)
+        jsonschema.validate(json.loads(call.arguments), schema)
+        assert "<tool_call>" not in (content or "")  # one call at most: the grammar opened no second
+    forced = engine.ask(ChatRequest(prompt="What time is it?", tools=(plain,), tool_choice="now", max_new_tokens=30))
+    assert [json.loads(call.arguments) for call in split_calls(forced.text, frozenset({"now"}))[1]] == [{}]

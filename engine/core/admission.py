@@ -10,7 +10,7 @@ import time
 import torch
 
 from ..errors import GenerationFailed, InsufficientMemory, PromptTooLong, VlscopeError
-from ..inputs.limits import check_length, check_memory
+from ..inputs.limits import check_length, check_memory, text_at_fault
 from ..inputs.preprocess import image_grids, ocr_pictures, patchify_images, prepare_input
 from ..records.metrics import PeakRss
 from ..structured.matcher import GrammarMatcher
@@ -98,7 +98,7 @@ class Admission:
             trace.prompt_tokens = prepared.prompt_tokens
             # before any compute: a prompt that cannot fit is refused here, with its counts on record
             check_length(prepared.prompt_tokens, state.params.max_new_tokens, core.config.max_input_tokens,
-                         core.info.context_length)
+                         core.info.context_length, text_at_fault(state.request))
         return self._wait_for_memory(running)
 
     def _wait_for_memory(self, running):

@@ -216,6 +216,10 @@ class EngineCore:
         trace.output_tokens = output.tokens
         trace.answer = output.answer
         trace.finish_reason = None if cancelled or error else "stop" if output.stopped else "length"
+        if grammar is not None and grammar.check is not None:
+            trace.schema_loosened = grammar.loosened
+            if trace.finish_reason == "stop":  # a cut answer is unfinished, not wrong
+                trace.schema_violations = grammar.check.violations(output.answer)
         after = current_rss()
         trace.rss_bytes = (decoding.rss[0], max(decoding.rss[1], after), after)
         state.status = FINISHED

@@ -35,8 +35,18 @@ def request_texts(request) -> list[str]:
     """Every text the prompt will carry: the messages, the calls earlier turns made, and the tools offered."""
     texts = [request.prompt] + [turn.text for turn in request.history]
     texts += [part for turn in request.history for call in turn.tool_calls for part in (call.name, call.arguments)]
-    texts += [part for tool in request.tools for part in (tool.name, tool.description, tool.parameters)]
-    return texts
+    return texts + tool_texts(request)
+
+
+def tool_texts(request) -> list[str]:
+    return [part for tool in request.tools for part in (tool.name, tool.description, tool.parameters)]
+
+
+def text_at_fault(request) -> str:
+    """The part of a request a too-long prompt is blamed on, as the API names it: the tools when their definitions
+    outweigh the conversation, else the messages."""
+    tools = sum(len(text) for text in tool_texts(request))
+    return "tools" if tools > sum(len(text) for text in request_texts(request)) - tools else "messages"
 
 
 def check_size(request, config) -> None:
@@ -46,7 +56,7 @@ def check_size(request, config) -> None:
     limit = config.max_input_tokens * MAX_CHARS_PER_TOKEN
     if chars > limit:
         raise PromptTooLong(f"The text is {chars:,} characters; no text over {limit:,} fits the prompt limit of "
-                            f"{config.max_input_tokens:,} tokens. Shorten it.")
+                            f"{config.max_input_tokens:,} tokens. Shorten it.", text_at_fault(request))
     messages = len(request.history) + 1
     if messages > max_messages(config):
         raise PromptTooLong(f"The conversation has {messages:,} messages; no more than {max_messages(config):,} fit "
@@ -59,25 +69,26 @@ def check_size(request, config) -> None:
 def check_text(request, tokens: tuple[str, ...]) -> None:
     """Refuse, before any work, text that carries a control token: typed into a prompt, `<|im_end|>` would end the
     user's turn and `<|image_pad|>` would claim an image."""
+    tools = set(map(id, tool_texts(request)))
     for text in request_texts(request):
         found = next((token for token in tokens if token in text), None)
         if found is not None:
             raise InvalidPrompt(f"The text contains {found!r}, one of the model's control tokens, which only the chat "
-                                "template may write. Remove it and ask again.")
+                                "template may write. Remove it and ask again.", "tools" if id(text) in tools else None)
 
 
-def check_length(prompt_tokens: int, max_new_tokens: int, max_input_tokens: int, context_length: int) -> None:
+def check_length(prompt_tokens: int, max_new_tokens: int, max_input_tokens: int, context_length: int,
+                 about: str = "messages") -> None:
+    """`about`: the part of the request a prompt over the limit is blamed on (`text_at_fault`)."""
     if prompt_tokens > max_input_tokens:
         raise PromptTooLong(
-            f"The prompt is {prompt_tokens} tokens (text, earlier turns and images); the limit is "
-            f"{max_input_tokens}. Shorten the conversation, use fewer or smaller images, "
-            "or lower the image token budget."
-        )
+            f"The prompt is {prompt_tokens} tokens (text, earlier turns, tool definitions and images); the limit is "
+            f"{max_input_tokens}. Shorten the conversation or the tools, use fewer or smaller images, "
+            "or lower the image token budget.", about)
     if prompt_tokens + max_new_tokens > context_length:
         raise PromptTooLong(
             f"The prompt ({prompt_tokens} tokens) plus {max_new_tokens} new tokens exceeds the model's context "
-            f"of {context_length} tokens."
-        )
+            f"of {context_length} tokens.", "max_tokens")
 
 
 def check_memory(model_config, sizes, prompt_tokens: int, max_new_tokens: int, compute_dtype: str,

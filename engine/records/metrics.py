@@ -49,6 +49,9 @@ class RequestMetrics:
     ttft_s: float | None = None  # submission to first token text
     decode_tokens_per_s: float | None = None
     finish_reason: str | None = None  # stop (an end token or stop string) or length (max_new_tokens reached)
+    # A schema without `strict`: what of it the grammar did not hold, and what the finished answer breaks of that
+    schema_loosened: tuple[str, ...] = ()
+    schema_violations: tuple[str, ...] = ()
     e2e_s: float = 0.0
     # memory, bytes
     rss_before_bytes: int = 0
@@ -83,7 +86,8 @@ class RequestMetrics:
             values[key] = tuple(tuple(size) for size in values.get(key, ()))
         values["token_latencies_s"] = tuple(values.get("token_latencies_s", ()))
         values["decode_batch_sizes"] = tuple(values.get("decode_batch_sizes", ()))
-        values["document_pages"] = tuple(values.get("document_pages", ()))
+        for key in ("document_pages", "schema_loosened", "schema_violations"):
+            values[key] = tuple(values.get(key, ()))
         return cls(**values)
 
 

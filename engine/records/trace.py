@@ -52,6 +52,8 @@ class RequestTrace:
         self.ttft_s: float | None = None
         self.decode_tokens_per_s: float | None = None
         self.finish_reason: str | None = None
+        self.schema_loosened: tuple[str, ...] = ()
+        self.schema_violations: tuple[str, ...] = ()
         self.answer: str | None = None
         self.server_metrics: dict | None = None
         self.rss_bytes: tuple[int, int, int] | None = None  # before, peak, after; None: one reading at the end
@@ -174,6 +176,8 @@ class RequestTrace:
             ttft_s=self.ttft_s,
             decode_tokens_per_s=self._decode_tokens_per_s(),
             finish_reason=self.finish_reason,
+            schema_loosened=self.schema_loosened,
+            schema_violations=self.schema_violations,
             e2e_s=time.perf_counter() - state.submitted_perf,
             rss_before_bytes=rss[0],
             rss_peak_bytes=rss[1],

@@ -19,14 +19,18 @@ from llguidance import LLMatcher
 
 from ..errors import InvalidSchema
 from ..request import ChatRequest, Tool
+from .answer_check import AnswerCheck
 from .compile_check import TOOK_TOO_LONG, GrammarTrials
+from .tool_calls import CLOSE, OPEN
 
 # One space after ':' and ',' and none elsewhere: the style the model writes JSON in (and its tool calls), with no
 # runs of whitespace for weak weights to wander into.
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# A schema without `strict`: the closest grammar (oneOf as anyOf; keywords and formats no grammar holds left out, each
+# named in the grammar's warnings), and the finished answer checked against the whole schema.
+LENIENT = {"lenient": True, "coerce_one_of": True}
 # Bounds on building a grammar's lexer and parser, well above any schema under the byte limit that compiles in time.
 LIMITS = dict(initial_lexer_fuel=2_000_000, max_grammar_size=500_000, max_lexer_states=250_000)
-TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,8 @@ class CompiledGrammar:
     matcher: LLMatcher
     what: str  # "json_schema" or "tool_calls"
     bytes: int = 0  # what building it took in memory, as its trial measured
+    loosened: tuple[str, ...] = ()  # what of a schema without `strict` the grammar does not hold
+    check: AnswerCheck | None = None  # what a finished answer is checked against, when something was loosened
     # Called with the refusal once the grammar gave out mid-answer: the cache then holds the refusal, not the grammar
     # (nor what it grew while failing), and the next request with its schema is refused at submit.
     forget: Callable[[Refusal], None] | None = field(default=None, compare=False, repr=False)
@@ -100,19 +106,25 @@ def check_schema(text: str, what: str, max_depth: int) -> dict:
 def tool_call_lark(tools: tuple[Tool, ...], choice: str, parallel: bool, open_id: int | None,
                    close_id: int | None) -> str:
     """Calls in the model's own format, `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, each name
-    with its parameters' schema: one call when a function is named or calls may not run in parallel."""
-    chosen = [tool for tool in tools if choice in ("required", tool.name)]
-    opening = f"<[{open_id}]>" if open_id is not None else json.dumps(TOOL_CALL_OPEN)
-    closing = f"<[{close_id}]>" if close_id is not None else json.dumps(TOOL_CALL_CLOSE)
+    with its parameters' schema: one call when a function is named or calls may not run in parallel. With `auto`,
+    free text around the calls (any token but the one that opens a call): the grammar holds a call only once the
+    model opens one, as a lazy grammar does, and text stays free."""
+    chosen = [tool for tool in tools if choice in ("required", "auto", tool.name)]
+    opening = f"<[{open_id}]>" if open_id is not None else json.dumps(OPEN)
+    closing = f"<[{close_id}]>" if close_id is not None else json.dumps(CLOSE)
     bodies = []
     for index, tool in enumerate(chosen):
         body = {"type": "object", "properties": {"name": {"const": tool.name},
                                                  "arguments": json.loads(tool.parameters)},
-                "required": ["name", "arguments"], "additionalProperties": False, "x-guidance": JSON_STYLE}
+                "required": ["name", "arguments"], "additionalProperties": False,
+                "x-guidance": JSON_STYLE if tool.strict else JSON_STYLE | LENIENT}
         bodies.append(f"call_{index}: %json {json.dumps(body)}")
     calls = " | ".join(f"call_{index}" for index in range(len(chosen)))
-    repeat = ' ("\\n" call)*' if parallel and choice == "required" else ""
-    return "\n".join([f"start: call{repeat}", f'call: {opening} "\\n" ({calls}) "\\n" {closing}', *bodies])
+    if choice == "auto":
+        start = f"start: text (call text){'*' if parallel else '?'}\ntext: <[^{open_id}]>*"
+    else:
+        start = "start: call" + (' ("\\n" call)*' if parallel and choice == "required" else "")
+    return "\n".join([start, f'call: {opening} "\\n" ({calls}) "\\n" {closing}', *bodies])
 
 
 class GrammarCompiler:
@@ -126,7 +138,7 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple, CompiledGrammar | Refusal] = OrderedDict()
         vocab = tokenizer.get_vocab()
-        self._tool_ids = (vocab.get(TOOL_CALL_OPEN), vocab.get(TOOL_CALL_CLOSE))
+        self._tool_ids = (vocab.get(OPEN), vocab.get(CLOSE))
 
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
@@ -165,14 +177,10 @@ class GrammarCompiler:
             raise InvalidSchema(f"tool_choice names {request.tool_choice[:64]!r}, which is not among the tools",
                                 "invalid_schema", "tools")
         if request.tools:
-            try:
-                check_tools(request.tools, config)
-            except InvalidSchema as exc:
-                exc.about = "tools"
-                raise
+            check_tools(request.tools, config)
         if request.json_schema is not None:
-            key = ("json_schema", request.json_schema)
-        elif request.calls_only:
+            key = ("json_schema", request.json_schema, request.strict)
+        elif request.calls_only or (request.tools and request.tool_choice == "auto" and self._tool_ids[0] is not None):
             key = ("tool_calls", request.tools, request.tool_choice, request.parallel_tool_calls)
         else:
             return None
@@ -221,13 +229,18 @@ class GrammarCompiler:
             if schema is False:
                 raise InvalidSchema("the response format's schema is false: no answer can satisfy it")
             try:
-                grammar = LLMatcher.grammar_from_json_schema({} if schema is True else text, overrides=JSON_STYLE)
+                grammar = LLMatcher.grammar_from_json_schema({} if schema is True else text,
+                                                             overrides=JSON_STYLE if key[2] else JSON_STYLE | LENIENT)
             except ValueError as exc:
                 raise InvalidSchema(f"the response format's schema cannot be enforced: {str(exc)[:300]}") from None
+            check = AnswerCheck("json_schema", (("", text),))
         else:
             _, tools, choice, parallel = key
             grammar = LLMatcher.grammar_from_lark(tool_call_lark(tools, choice, parallel, *self._tool_ids))
-        return self._build(grammar, key[0], config.grammar_compile_seconds)
+            check = AnswerCheck("tool_calls", tuple((tool.name, tool.parameters) for tool in tools))
+        compiled = self._build(grammar, key[0], config.grammar_compile_seconds)
+        loosened = tuple(compiled.matcher.get_grammar_warnings())
+        return dataclasses.replace(compiled, loosened=loosened, check=check) if loosened else compiled
 
     def _build(self, grammar: str, what: str, limit_s: float) -> CompiledGrammar:
         """The grammar tried in the worker first, killed there past the time limit; built here only once it is
@@ -248,7 +261,16 @@ class GrammarCompiler:
 
 
 def check_tools(tools: tuple[Tool, ...], config) -> None:
-    """Tool count, total size, unique names and each parameters schema, before any grammar is built."""
+    """Tool count, total size, unique names and each parameters schema, before any grammar is built; a refusal
+    names the tools as the part at fault."""
+    try:
+        _check_tools(tools, config)
+    except InvalidSchema as exc:
+        exc.about = "tools"
+        raise
+
+
+def _check_tools(tools: tuple[Tool, ...], config) -> None:
     if len(tools) > config.max_tools:
         raise InvalidSchema(f"{len(tools)} tools; at most {config.max_tools} per request (VLSCOPE_MAX_TOOLS)",
                             "too_many_tools")

@@ -31,6 +31,8 @@ class GrammarMatcher:
     def __init__(self, compiled: CompiledGrammar, vocab_size: int, eos_ids: tuple[int, ...] = ()):
         self.matcher = compiled.matcher.deep_copy()
         self.what, self._forget = compiled.what, compiled.forget
+        self.check = compiled.check  # what the finished answer is checked against (None: the grammar held it all)
+        self.loosened = compiled.loosened
         self.eos_ids = frozenset(eos_ids)
         self._bits = np.zeros((vocab_size + 31) // 32, dtype=np.int32)
         self._ready = False  # the bits hold the mask of the tokens allowed next

@@ -1,13 +1,17 @@
 """The model's own tool calls, `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>` blocks in its answer
-(Qwen's Hermes-style format), read out of the text as it streams: text outside them is content, each block that
-parses to an offered function is a call, and a block that does not parse stays text."""
+(Qwen's Hermes-style format): written for calls a remote server returns, and read out of the text as it streams: text outside them is content, each block that
+parses to an offered function is a call, and a block that does not parse stays text. A block the answer ends inside
+(cut by max_tokens) is the call so far, as OpenAI gives a cut call, never markup shown as content."""
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+# The start of a block as the model (and the grammar that holds it) writes it: the name, then the arguments so far.
+CALL_SO_FAR = re.compile(r'\s*\{\s*"name"\s*:\s*"([^"\\]*)"\s*,\s*"arguments"\s*:\s*(.*)', re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -17,9 +21,15 @@ class ParsedCall:
     name: str
     arguments: str  # JSON text
 
-    def as_openai(self, with_index: bool = False) -> dict:
-        call = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
-        return {"index": self.index, **call} if with_index else call
+    def as_openai(self) -> dict:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+    def deltas(self) -> list[dict]:
+        """The call as OpenAI streams one: its id, type and name with empty arguments, then the arguments in a delta
+        that carries only the index (a client appends every later delta's arguments to the first's)."""
+        return [{"index": self.index, "id": self.id, "type": "function",
+                 "function": {"name": self.name, "arguments": ""}},
+                {"index": self.index, "function": {"arguments": self.arguments}}]
 
 
 @dataclass
@@ -63,9 +73,12 @@ class ToolCallParser:
             return out
 
     def finish(self) -> list[str | ParsedCall]:
-        """The answer ended: an unfinished block and any held text are content."""
-        rest = (OPEN if self._inside else "") + self._pending
-        self._pending, self._inside = "", False
+        """The answer ended: held text is content; an unfinished block is the call so far when its function is known
+        (named in it, or the only one offered), else nothing."""
+        if self._inside:
+            cut, self._pending, self._inside = self._cut_call(self._pending), "", False
+            return [cut] if cut is not None else []
+        rest, self._pending = self._pending, ""
         out = self._content(rest)
         if not self.calls and self._held_space:
             out.append(self._held_space)
@@ -80,6 +93,19 @@ class ToolCallParser:
             return []
         text, self._held_space = self._held_space + text, ""
         return [text]
+
+    def _cut_call(self, body: str) -> ParsedCall | None:
+        if self.max_calls is not None and len(self.calls) >= self.max_calls:
+            return None
+        so_far = CALL_SO_FAR.match(body)
+        if so_far is not None and so_far.group(1) in self.names:
+            return self._new_call(so_far.group(1), so_far.group(2))
+        return self._new_call(next(iter(self.names)), "") if len(self.names) == 1 else None
+
+    def _new_call(self, name: str, arguments: str) -> ParsedCall:
+        call = ParsedCall(len(self.calls), f"call_{uuid.uuid4().hex[:24]}", name, arguments)
+        self.calls.append(call)
+        return call
 
     def _call(self, body: str) -> ParsedCall | None:
         if self.max_calls is not None and len(self.calls) >= self.max_calls:
@@ -98,10 +124,7 @@ class ToolCallParser:
                 return None
         if not isinstance(arguments, dict):
             return None
-        call = ParsedCall(len(self.calls), f"call_{uuid.uuid4().hex[:24]}", parsed["name"],
-                          json.dumps(arguments, ensure_ascii=False))
-        self.calls.append(call)
-        return call
+        return self._new_call(parsed["name"], json.dumps(arguments, ensure_ascii=False))
 
 
 def split_calls(text: str, names: frozenset[str], max_calls: int | None = None) -> tuple[str | None, list[ParsedCall]]:
@@ -110,3 +133,17 @@ def split_calls(text: str, names: frozenset[str], max_calls: int | None = None) 
     pieces = parser.feed(text) + parser.finish()
     content = "".join(piece for piece in pieces if isinstance(piece, str))
     return (content.strip() or None) if parser.calls else content, parser.calls
+
+
+def call_text(name: str, arguments: str, finished: bool = True) -> str:
+    """A call written as the model writes its own (a remote server's calls: the answer's text then reads the same,
+    local or remote, and its calls are read out of it alike). A cut call (its arguments unfinished) stays an unclosed
+    block: the call so far."""
+    head = f'{OPEN}\n{{"name": {json.dumps(name)}, "arguments": '
+    if not finished:
+        return head + arguments
+    try:
+        json.loads(arguments)
+    except ValueError:  # as a JSON string, which a reader tries to parse in turn (and keeps as text if it cannot)
+        arguments = json.dumps(arguments)
+    return f"{head}{arguments}}}\n{CLOSE}"
