@@ -22,7 +22,7 @@ from engine import (Busy, Cancelled, ChatRequest, InsufficientMemory, InvalidIma
 from engine.inputs.limits import max_messages
 from engine.records.stages import PREFILL, VISION_ENCODE
 from engine.records.trace import refusal_record
-from engine.structured.tool_calls import ToolCallParser, split_calls
+from engine.structured.tool_calls import CallArguments, ToolCallParser, split_calls
 from server.slot import engine_slot, ensure_loaded, get_store, server_settings, shutdown
 
 from . import prometheus, refusals
@@ -330,11 +330,12 @@ async def _sse(handle, early: list, events, model: str, include_usage: bool, tok
         held_logprobs.extend(logprobs)
         found = [text] if parser is None else parser.feed(text) + (parser.finish() if last else [])
         for piece in found:
-            for delta in ([{"content": piece}] if isinstance(piece, str)
-                          else [{"tool_calls": [part]} for part in piece.deltas()]):
-                shown = logprobs_content(held_logprobs, token_text) if token_text else None
-                held_logprobs.clear()
-                yield event(chunk(handle.id, model, created, delta, logprobs=shown))
+            if isinstance(piece, CallArguments) and not piece.text:
+                continue
+            delta = {"content": piece} if isinstance(piece, str) else {"tool_calls": [piece.delta()]}
+            shown = logprobs_content(held_logprobs, token_text) if token_text else None
+            held_logprobs.clear()
+            yield event(chunk(handle.id, model, created, delta, logprobs=shown))
 
     yield event(chunk(handle.id, model, created, {"role": "assistant", "content": ""}))
     try:

@@ -10,8 +10,10 @@ pause any stream saw between two of its chunks once it had begun (another reques
 
     python -m bench.load --dtype int8 --clients 1 4 --constrained --rounds 2
 
-`--constrained` runs every burst twice, alternating, with free answers (end tokens ignored) and with answers held to
-a JSON schema long enough that max_tokens cuts them (the same length), and reports the ratio of their decode rates.
+`--constrained` runs every burst three times, in an order reversed every round: free answers (end tokens ignored),
+answers held to an invoice's JSON schema, and the invoice as a forced tool call's arguments, each long enough that
+max_tokens cuts it (the same length); it reports the ratios of their decode rates and the tokens a forward pass
+gave (a grammar's forced tokens ride along with the step's own: engine_core.jump_forward).
 """
 from __future__ import annotations
 
@@ -43,16 +45,26 @@ PICTURES = ("astronaut.png", "coffee.png", "chelsea.png", "rocket.jpg", "hubble_
             "text.png")
 
 
-# An invoice's lines, more of them than any burst's answer holds: every constrained answer runs to max_tokens, as the
-# free answers (end tokens ignored) do, so the two decode the same number of tokens.
-LONG_INVOICE = {
-    "type": "object", "additionalProperties": False, "required": ["vendor", "date", "lines"],
-    "properties": {
-        "vendor": {"type": "string", "maxLength": 40}, "date": {"type": "string", "format": "date"},
-        "lines": {"type": "array", "minItems": 200, "items": {
-            "type": "object", "additionalProperties": False, "required": ["item", "qty", "price"],
-            "properties": {"item": {"type": "string", "maxLength": 24}, "qty": {"type": "integer", "minimum": 1},
-                           "price": {"type": "number", "minimum": 0}}}}}}
+# An invoice with long keys (thirteen fields and nested lines), more lines than any burst's answer holds: every
+# constrained answer runs to max_tokens, as the free answers (end tokens ignored) do, so both decode the same number
+# of tokens. Strings are bounded: with synthetic weights a string ends only where its schema bounds it.
+_TEXT = {"type": "string", "maxLength": 16}
+_AMOUNT = {"type": "integer", "minimum": 0, "maximum": 99999}
+_LINE = {"type": "object", "additionalProperties": False,
+         "required": ["item_description", "quantity_ordered", "unit_price_amount", "line_total_amount"],
+         "properties": {"item_description": _TEXT, "quantity_ordered": {"type": "integer", "minimum": 1, "maximum": 99},
+                        "unit_price_amount": _AMOUNT, "line_total_amount": _AMOUNT}}
+_FIELDS = {"invoice_number": _TEXT, "issue_date": {"type": "string", "format": "date"},
+           "due_date": {"type": "string", "format": "date"}, "vendor_name": _TEXT, "vendor_tax_identifier": _TEXT,
+           "customer_name": _TEXT, "customer_reference": _TEXT, "currency_code": {"enum": ["EUR", "USD", "GBP"]},
+           "payment_terms_days": {"type": "integer", "minimum": 0, "maximum": 90},
+           "payment_status": {"enum": ["paid", "unpaid", "partially_paid"]}, "subtotal_amount": _AMOUNT,
+           "tax_amount": _AMOUNT, "line_items": {"type": "array", "minItems": 200, "items": _LINE}}
+LONG_INVOICE = {"type": "object", "additionalProperties": False, "required": list(_FIELDS), "properties": _FIELDS}
+# The same invoice as a forced tool call's arguments.
+INVOICE_TOOL = {"type": "function", "function": {"name": "record_invoice", "description": "Record an invoice",
+                                                 "parameters": LONG_INVOICE}}
+ANSWERS = ("free", "JSON schema", "tool call")
 
 
 @dataclass
@@ -80,7 +92,9 @@ class BurstResult:
     streams: list[StreamResult] = field(default_factory=list)
     # vlscope started here: each decode step's median ms by how many sequences it advanced, from the server's records
     step_ms_by_batch: dict[int, float] = field(default_factory=dict)
-    constrained: bool = False  # answers held to a JSON schema
+    constrained: bool = False  # answers held to a grammar: a JSON schema or a forced tool call
+    answer: str = "free"  # ANSWERS
+    tokens_per_step: float | None = None  # vlscope started here: answer tokens per forward pass of decode
     decode_tokens_per_s: float | None = None  # vlscope started here: tokens per second of decode and grammar work
     grammar_ms_per_token: float | None = None  # of which the grammar's masks
 
@@ -98,14 +112,17 @@ def picture_url(index: int, images_dir: Path, size: int = 448) -> str:
 
 
 def stream_one(base_url: str, model: str, image_url: str, max_tokens: int, key: str, start: threading.Event,
-               result: StreamResult, schema: dict | None = None) -> None:
+               result: StreamResult, answer: str = "free") -> None:
     body = {"model": model, "stream": True, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream_options": {"include_usage": True},
             "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image_url}},
                                                        {"type": "text", "text": PROMPT}]}]}
-    if schema is not None:  # held to the schema, the answer ends where its JSON does: no end token to ignore
+    if answer != "free":  # held to a grammar, the answer ends where its JSON does: no end token to ignore
         del body["ignore_eos"]
-        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "invoice", "schema": schema}}
+    if answer == "JSON schema":
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "invoice", "schema": LONG_INVOICE}}
+    elif answer == "tool call":
+        body["tools"], body["tool_choice"] = [INVOICE_TOOL], "required"
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     start.wait()
     began = last = time.perf_counter()
@@ -122,7 +139,8 @@ def stream_one(base_url: str, model: str, image_url: str, max_tokens: int, key: 
                 usage = chunk.get("usage")
                 if usage and usage.get("completion_tokens"):
                     result.tokens = int(usage["completion_tokens"])
-                texts = [choice.get("delta", {}).get("content") for choice in chunk.get("choices", [])]
+                texts = [choice.get("delta", {}).get("content") or choice.get("delta", {}).get("tool_calls")
+                         for choice in chunk.get("choices", [])]
                 if not any(texts):
                     continue
                 now = time.perf_counter()
@@ -138,11 +156,11 @@ def stream_one(base_url: str, model: str, image_url: str, max_tokens: int, key: 
 
 
 def burst(base_url: str, model: str, clients: int, max_tokens: int, images_dir: Path, key: str = "",
-          schema: dict | None = None) -> BurstResult:
+          answer: str = "free") -> BurstResult:
     urls = [picture_url(index, images_dir) for index in range(clients)]
     start = threading.Event()
     results = [StreamResult() for _ in range(clients)]
-    threads = [threading.Thread(target=stream_one, args=(base_url, model, url, max_tokens, key, start, result, schema))
+    threads = [threading.Thread(target=stream_one, args=(base_url, model, url, max_tokens, key, start, result, answer))
                for url, result in zip(urls, results)]
     for thread in threads:
         thread.start()
@@ -160,7 +178,7 @@ def burst(base_url: str, model: str, clients: int, max_tokens: int, images_dir: 
         e2e_p50_s=statistics.median(e2es), e2e_max_s=max(e2es),
         tokens_per_s=sum(result.tokens for result in good) / wall,
         longest_pause_s=max((result.longest_gap_s for result in good), default=0.0),
-        errors=len(results) - len(good), streams=results, constrained=schema is not None)
+        errors=len(results) - len(good), streams=results, constrained=answer != "free", answer=answer)
 
 
 def server_figures(result: BurstResult, db: Path, since: float) -> None:
@@ -170,17 +188,19 @@ def server_figures(result: BurstResult, db: Path, since: float) -> None:
     from engine.records.stages import DECODE, DETOKENIZE, GRAMMAR
 
     steps: dict[int, list[float]] = {}
-    tokens, seconds, grammar = 0, 0.0, 0.0
+    tokens, forced, seconds, grammar = 0, 0, 0.0, 0.0
     for record in MetricsStore(db).between(since):
         if record.warmup:
             continue
         for size, step in zip(record.decode_batch_sizes, record.token_latencies_s):
             steps.setdefault(size, []).append(step)
         tokens += len(record.token_latencies_s)
+        forced += record.forced_tokens
         grammar += record.stages.get(GRAMMAR, 0.0)
         seconds += sum(record.stages.get(name, 0.0) for name in (DECODE, DETOKENIZE, GRAMMAR))
     result.step_ms_by_batch = {size: 1000 * statistics.median(values) for size, values in sorted(steps.items())}
     if tokens:
+        result.tokens_per_step = tokens / (tokens - forced)
         result.decode_tokens_per_s = tokens / seconds
         result.grammar_ms_per_token = 1000 * grammar / tokens
 
@@ -227,14 +247,15 @@ def markdown(results: list[BurstResult]) -> str:
         lines.append(f"Decode step by sequences in it ({r.max_tokens}-token burst): {cells}")
     lines += [""] if lines else []
     lines += ["| server | answer | people | answer tokens | wall s | TTFT p50 / max s | end to end p50 / max s | "
-              "tokens/s over the burst | decode tokens/s (grammar ms a token) | longest pause s | errors |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "tokens/s over the burst | decode tokens/s (grammar ms a token) | tokens a step | longest pause s | "
+              "errors |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         ttft = f"{r.ttft_p50_s:.1f} / {r.ttft_max_s:.1f}" if r.ttft_p50_s is not None else "–"
         decode = (f"{r.decode_tokens_per_s:.2f} ({r.grammar_ms_per_token:.2f})" if r.decode_tokens_per_s else "–")
-        lines.append(f"| {r.server} | {'JSON schema' if r.constrained else 'free'} | {r.clients} | {r.max_tokens} | "
+        per_step = f"{r.tokens_per_step:.2f}" if r.tokens_per_step else "–"
+        lines.append(f"| {r.server} | {r.answer} | {r.clients} | {r.max_tokens} | "
                      f"{r.wall_s:.1f} | {ttft} | {r.e2e_p50_s:.1f} / {r.e2e_max_s:.1f} | {r.tokens_per_s:.2f} | "
-                     f"{decode} | {r.longest_pause_s:.2f} | {r.errors} |")
+                     f"{decode} | {per_step} | {r.longest_pause_s:.2f} | {r.errors} |")
     return "\n".join(lines + constrained_ratios(results))
 
 
@@ -242,17 +263,19 @@ def constrained_ratios(results: list[BurstResult]) -> list[str]:
     """Constrained over free, by people: each round's pair (run one after the other) as a ratio of decode rates
     and of burst rates, and the median of those ratios."""
     lines = []
-    for clients in sorted({r.clients for r in results if r.constrained}):
-        pairs = list(zip([r for r in results if r.clients == clients and not r.constrained],
-                         [r for r in results if r.clients == clients and r.constrained]))
-        if not pairs:
-            continue
-        decode = [(held.decode_tokens_per_s or 0) / max(free.decode_tokens_per_s or 0, 1e-9) for free, held in pairs]
-        burst = [held.tokens_per_s / max(free.tokens_per_s, 1e-9) for free, held in pairs]
-        lines.append(f"JSON schema over free answers, {clients} {'person' if clients == 1 else 'people'}, "
-                     f"{len(pairs)} rounds: decode {statistics.median(decode):.3f}x "
-                     f"({', '.join(f'{x:.2f}' for x in decode)}), burst {statistics.median(burst):.3f}x "
-                     f"({', '.join(f'{x:.2f}' for x in burst)})")
+    for answer in ANSWERS[1:]:
+        for clients in sorted({r.clients for r in results if r.answer == answer}):
+            pairs = list(zip([r for r in results if r.clients == clients and r.answer == "free"],
+                             [r for r in results if r.clients == clients and r.answer == answer]))
+            if not pairs:
+                continue
+            decode = [(held.decode_tokens_per_s or 0) / max(free.decode_tokens_per_s or 0, 1e-9)
+                      for free, held in pairs]
+            burst = [held.tokens_per_s / max(free.tokens_per_s, 1e-9) for free, held in pairs]
+            lines.append(f"{answer} over free answers, {clients} {'person' if clients == 1 else 'people'}, "
+                         f"{len(pairs)} rounds: decode {statistics.median(decode):.3f}x "
+                         f"({', '.join(f'{x:.2f}' for x in decode)}), burst {statistics.median(burst):.3f}x "
+                         f"({', '.join(f'{x:.2f}' for x in burst)})")
     return [""] + lines if lines else []
 
 
@@ -283,13 +306,14 @@ def main(argv: list[str] | None = None) -> int:
             server, base = start_vlscope(args.model, args.dtype, Path(work), overrides)
         try:
             targets = [base] + ([args.against.rstrip("/")] if args.against else [])
-            schemas = [None, LONG_INVOICE] if args.constrained else [None]
-            runs = [(clients, tokens, target, schema) for clients in args.clients for tokens in args.max_tokens
-                    for _ in range(args.rounds) for target in targets for schema in schemas]
-            for clients, tokens, target, schema in runs:
+            answers = ANSWERS if args.constrained else ANSWERS[:1]
+            runs = [(clients, tokens, target, answers[::-1] if turn % 2 else answers) for clients in args.clients
+                    for tokens in args.max_tokens for turn in range(args.rounds) for target in targets]
+            runs = [(clients, tokens, target, answer) for clients, tokens, target, order in runs for answer in order]
+            for clients, tokens, target, answer in runs:
                 since = time.time()
                 result = burst(target, served_model(target, args.api_key), clients, tokens, images, args.api_key,
-                               schema)
+                               answer)
                 if server is not None and target == base:
                     server_figures(result, Path(work) / "load.db", since)
                 results.append(result)

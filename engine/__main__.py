@@ -32,6 +32,7 @@ def _stage_table(metrics) -> str:
         f"TTFT {ttft} | decode {rate} tok/s{read} | vision tokens {metrics.vision_tokens} | prompt tokens "
         f"{metrics.prompt_tokens} | output tokens {metrics.output_tokens}"
         + (f" | drafts kept {metrics.drafts_kept}/{metrics.drafted_tokens}" if metrics.drafted_tokens else "")
+        + (f" | forced tokens {metrics.forced_tokens}" if metrics.forced_tokens else "")
     )
     gb = 1 << 30
     rows.append(

@@ -61,6 +61,9 @@ class EngineConfig:
     # float32 decode drafts tokens with an int8 copy of the language model and checks them four at a time
     # (engine/model/draft.py): float32's own tokens, faster, for the copy's memory; off decodes a token a step.
     draft: str = "int8"
+    # A structured answer's tokens that its grammar allows alone go into the model with the next step's token, as
+    # rows beside it (engine_core.jump_forward): the same answer in fewer steps; off feeds them a step each.
+    jump_forward: bool = True
     threads: int = dataclasses.field(default_factory=default_threads)
     kv_cache: bool = True
     # Recent conversations whose KV cache is kept, so a follow-up skips re-encoding and re-prefilling them.

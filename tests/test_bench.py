@@ -331,22 +331,25 @@ def test_steps_compares_a_batched_decode_step_with_one_at_the_same_length(tiny_m
     assert "| cached tokens |" in out.with_suffix(".md").read_text()
 
 
-def test_load_burst_alternates_free_and_schema_held_answers(tiny_model, images_dir, tmp_path):
-    """`python -m bench.load --constrained`: each burst runs with free answers and with answers held to a JSON schema
-    that max_tokens cuts (the same length), alternating, with the server's decode rate and grammar time for each."""
+def test_load_burst_alternates_free_and_grammar_held_answers(tiny_model, images_dir, tmp_path):
+    """`python -m bench.load --constrained`: each burst runs with free answers, answers held to a JSON schema and a
+    forced tool call, all cut by max_tokens (the same length), with the server's decode rate, grammar time and
+    tokens a forward pass gave for each: a grammar's forced tokens ride along, free answers take one a step."""
     out = tmp_path / "load.json"
     run = subprocess.run([sys.executable, "-m", "bench.load", "--model", str(tiny_model), "--dtype", "float32",
-                          "--clients", "1", "2", "--max-tokens", "10", "--constrained", "--images", str(images_dir),
+                          "--clients", "1", "2", "--max-tokens", "24", "--constrained", "--images", str(images_dir),
                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     bursts = json.loads(out.read_text())
-    assert [(b["clients"], b["constrained"]) for b in bursts] == [(1, False), (1, True), (2, False), (2, True)]
+    answers = ["free", "JSON schema", "tool call"]
+    assert [(b["clients"], b["answer"]) for b in bursts] == [(n, answer) for n in (1, 2) for answer in answers]
     for burst in bursts:
-        assert burst["errors"] == 0 and [s["tokens"] for s in burst["streams"]] == [10] * burst["clients"]
+        assert burst["errors"] == 0 and [s["tokens"] for s in burst["streams"]] == [24] * burst["clients"]
         assert burst["decode_tokens_per_s"] > 0
         assert (burst["grammar_ms_per_token"] > 0) == burst["constrained"]
+        assert (burst["tokens_per_step"] > 1.2) == burst["constrained"], burst["tokens_per_step"]
     table = out.with_suffix(".md").read_text()
-    assert "JSON schema over free answers, 1 person" in table and "2 people" in table
+    assert "JSON schema over free answers, 1 person" in table and "tool call over free answers, 2 people" in table
 
 
 def test_grammars_measures_a_schema_set_and_names_what_it_refuses(tmp_path):

@@ -241,7 +241,7 @@ def test_a_batch_decodes_each_sequence_as_it_decodes_alone(tiny_model, images_di
         for index in range(STEPS):
             active = [i for i in range(len(inputs)) if joins[i] <= index < leaves[i]]
             position = {i: index - joins[i] for i in active}
-            logits = decode_batch(step, [states[i] for i in active], [fed[i] for i in active])
+            logits = decode_batch(step, [states[i] for i in active], [[fed[i]] for i in active])
             for row, i in enumerate(active):
                 got_logits[i].append(logits[row:row + 1].float())
                 # greedy in float32; the tokens chosen alone elsewhere, so rows stay comparable

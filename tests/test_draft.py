@@ -47,7 +47,7 @@ def test_a_check_gives_each_row_what_a_step_of_that_token_alone_gives(tiny_model
         token, alone = _prefilled(loaded, step, picture)
         fed, expected = [token], []
         for _ in range(8):
-            logits = decode_batch(step, [alone], [fed[-1]])
+            logits = decode_batch(step, [alone], [[fed[-1]]])
             expected.append(logits[0].clone())
             fed.append(int(logits[0].argmax()))
 

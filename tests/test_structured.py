@@ -9,7 +9,7 @@ import json
 import jsonschema
 import pytest
 
-from engine.structured.tool_calls import ToolCallParser, split_calls
+from engine.structured.tool_calls import CallArguments, ParsedCall, ToolCallParser, split_calls
 from engine import ChatRequest, InvalidPrompt, InvalidSchema, MetricsStore, TextChunk, Tool
 from engine.records.stages import GRAMMAR, REFUSED
 from engine.structured.matcher import live_matchers
@@ -181,6 +181,33 @@ def test_a_schema_without_strict_is_held_to_the_closest_grammar_and_a_broken_ans
         engine.submit(ChatRequest(prompt="hi", json_schema=json.dumps(schema), strict=False, max_new_tokens=1)).cancel()
 
 
+def test_forced_tokens_ride_along_and_the_answer_is_the_step_by_step_one(make_engine, tmp_path):
+    """Jump-forward: where the grammar allows a single token, it goes into the model beside the step's own, and the
+    greedy answer is token for token the one a token a step gives, alone and in a batch beside a free answer."""
+    lines = {"type": "array", "maxItems": 3, "items": {
+        "type": "object", "required": ["item_description", "quantity_ordered"], "additionalProperties": False,
+        "properties": {"item_description": {"type": "string", "maxLength": 6},
+                       "quantity_ordered": {"type": "integer", "minimum": 1, "maximum": 9}}}}
+    invoice = {"type": "object", "required": ["invoice_number", "payment_status", "line_items"],
+               "additionalProperties": False,
+               "properties": {"invoice_number": {"type": "string", "maxLength": 6},
+                              "payment_status": {"enum": ["paid", "partially_paid"]}, "line_items": lines}}
+    tool = Tool("record_invoice", "", json.dumps(invoice))
+    asks = [dict(json_schema=json.dumps(invoice)), dict(tools=(tool,), tool_choice="required")]
+    answers = {}
+    for forced in (False, True):
+        engine = make_engine(jump_forward=forced, db_path=str(tmp_path / f"{forced}.db"))
+        alone = [engine.ask(ChatRequest(prompt="Read the invoice", max_new_tokens=120, **ask)) for ask in asks]
+        beside = _run_all(engine, [ChatRequest(prompt="Read the invoice", max_new_tokens=120, **asks[0]),
+                                   ChatRequest(prompt="Say something", max_new_tokens=30, ignore_eos=True)])
+        answers[forced] = ([(a.text, a.metrics.forced_tokens) for a in alone], [text for text, _ in beside])
+        assert all(a.metrics.finish_reason == "stop" for a in alone)
+    (plain, plain_beside), (jumped, jumped_beside) = answers[False], answers[True]
+    assert [text for text, _ in jumped] == [text for text, _ in plain] and jumped_beside == plain_beside
+    assert all(forced == 0 for _, forced in plain) and all(forced > 10 for _, forced in jumped), jumped
+    jsonschema.validate(json.loads(jumped[0][0]), invoice)
+
+
 def test_a_cancel_frees_the_matcher_and_the_queue(engine):
     schema = {"type": "array", "items": {"type": "integer"}, "maxItems": 10_000}
     handle = engine.submit(ChatRequest(prompt="count", json_schema=json.dumps(schema), max_new_tokens=500))
@@ -205,8 +232,11 @@ def test_the_tool_call_reader_keeps_what_does_not_parse_as_text():
     for start in range(0, len(text), 5):  # piece by piece, split anywhere, even inside <tool_call>
         streamed += parser.feed(text[start:start + 5])
     streamed += parser.finish()
-    assert [p.name for p in streamed if not isinstance(p, str)] == ["f", "g"]
+    assert [p.name for p in streamed if isinstance(p, ParsedCall)] == ["f", "g"]
     assert "".join(p for p in streamed if isinstance(p, str)).strip() == content
+    # a call's arguments stream as they come, in pieces that add up to the call's arguments
+    pieces = [p.text for p in streamed if isinstance(p, CallArguments) and p.index == 0]
+    assert len(pieces) > 1 and json.loads("".join(pieces)) == {"a": 1} == json.loads(parser.calls[0].arguments)
     assert split_calls("no calls, just <tool_ talk", names) == ("no calls, just <tool_ talk", [])
     content, (only,) = split_calls(text, names, max_calls=1)  # parallel_tool_calls false: later blocks stay text
     assert only.name == "f" and '"name": "g"' in content
@@ -215,9 +245,9 @@ def test_the_tool_call_reader_keeps_what_does_not_parse_as_text():
     content, (cut,) = split_calls('Sure.\n<tool_call>\n{"name": "g", "arguments": {"b": 2', names)
     assert content == "Sure." and (cut.name, cut.arguments) == ("g", '{"b": 2')
     assert split_calls('<tool_call>\n{"na', frozenset({"f"}))[1][0].name == "f"  # the only function offered
-    first, rest = cut.deltas()  # streamed as OpenAI streams a call: the name first, then the arguments alone
-    assert first == {"index": 0, "id": cut.id, "type": "function", "function": {"name": "g", "arguments": ""}}
-    assert rest == {"index": 0, "function": {"arguments": '{"b": 2'}}
+    # streamed as OpenAI streams a call: the name first, then the arguments alone
+    assert cut.delta() == {"index": 0, "id": cut.id, "type": "function", "function": {"name": "g", "arguments": ""}}
+    assert CallArguments(0, '{"b"').delta() == {"index": 0, "function": {"arguments": '{"b"'}}
 
 
 def test_auto_calls_are_held_to_their_schemas_and_free_text_stays_free(engine):

@@ -104,6 +104,7 @@ def records_frame(records: list[RequestMetrics]) -> pd.DataFrame:
             "queue wait s": r.queue_wait_s, "TTFT s": r.ttft_s, "tok/s": r.decode_tokens_per_s, "decode GB/s": r.decode_gb_per_s,
             "batch": (sum(r.decode_batch_sizes) / len(r.decode_batch_sizes)) if r.decode_batch_sizes else None,
             "drafts kept": f"{r.drafts_kept}/{r.drafted_tokens}" if r.drafted_tokens else None,
+            "forced tokens": r.forced_tokens or None,
             "paused s": r.paused_s, "total s": r.e2e_s,
             "peak RSS GiB": r.rss_peak_bytes / GIB, "error": r.error,
         })

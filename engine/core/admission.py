@@ -196,7 +196,8 @@ class Admission:
         state.decoding = Decoding(decode_state, sampler, output, self.prepared.keys, self.spans, token,
                                   [self.rss.before, self.rss.peak])
         state.status = DECODING
-        if output.stopped or output.tokens >= state.params.max_new_tokens or state.cancelled.is_set():
+        if output.stopped or output.tokens >= state.params.max_new_tokens or core.jump_forward(state) or \
+                state.cancelled.is_set():
             core.finish(state)
         else:
             trace.announce(DECODE)

@@ -20,7 +20,7 @@ from ..config import EngineConfig
 from ..errors import GenerationFailed, InvalidSchema, VlscopeError
 from ..kernels.memory_read import memory_read_gb_per_s
 from ..model.memory_pages import release_freed_memory
-from ..model.runner import ModelRunner
+from ..model.runner import STEP_ROWS, ModelRunner
 from ..records.info import EngineInfo
 from ..records.metrics import current_rss
 from ..records.stages import CANCELLED, DETOKENIZE, ERROR, GRAMMAR, OK
@@ -116,13 +116,16 @@ class EngineCore:
             return self._decode_ahead(live[0], ended)
         errors: dict[RequestState, VlscopeError] = {}
         if live:
+            runs = self._runs(live)
             started = time.perf_counter()
             grammars = [state.decoding.sampler.grammar for state in live if state.decoding.sampler.grammar is not None]
             masks = self.masks.submit(fill_masks, grammars) if grammars else None
             try:
                 with torch.inference_mode():
-                    logits = self.runner.decode([state.decoding.sequence for state in live],
-                                                [state.decoding.token for state in live])
+                    # Answers held to a schema or to calls run every step as rows of several (runner.decode), so
+                    # forced tokens riding along change none of their tokens; free text around calls does not pay.
+                    held = any(not grammar.free_text for grammar in grammars)
+                    logits = self.runner.decode([state.decoding.sequence for state in live], runs, held)
             except Exception as exc:
                 log.exception("a decode step of %d request(s) failed", len(live))
                 return self._failed(live, ended, exc)
@@ -130,22 +133,55 @@ class EngineCore:
                 if masks is not None:
                     masks.result()  # before any matcher moves on or is let go
             elapsed, rss = time.perf_counter() - started, current_rss()
-            for row, state in enumerate(live):
+            for row, (state, run) in enumerate(zip(live, runs)):
                 trace, decoding = state.trace, state.decoding
-                trace.decoded(elapsed, len(live))
+                for _ in run:  # each token the step took in, its share of the step's time
+                    trace.decoded(elapsed / len(run), len(live))
+                trace.forced_tokens += len(run) - 1
                 decoding.rss[1] = max(decoding.rss[1], rss)
+                if decoding.ahead:  # forced tokens left over for the next step: nothing to choose yet
+                    decoding.token = decoding.ahead.pop(0)
+                    continue
                 try:
                     decoding.token = decoding.sampler(logits[row:row + 1])
+                    if self._answer_ended(state) or self.jump_forward(state):
+                        ended.append(state)
                 except (GenerationFailed, InvalidSchema) as exc:  # its grammar gave out: its answer ends, not the batch
                     log.error("request %s: %s", state.id, exc)
                     errors[state] = exc
                     ended.append(state)
-                    continue
-                if self._answer_ended(state):
-                    ended.append(state)
         for state in ended:
             self.finish(state, errors.get(state))
         return ended
+
+    @staticmethod
+    def _runs(live: list[RequestState]) -> list[list[int]]:
+        """Each request's tokens for this step: its sampled token, and as many of the tokens its grammar forced after
+        it as the step's rows allow (STEP_ROWS, shared out in order); the rest wait for the next step."""
+        spare, runs = max(0, STEP_ROWS - len(live)), []
+        for state in live:
+            decoding = state.decoding
+            taken = min(len(decoding.ahead), spare)
+            spare -= taken
+            runs.append([decoding.token, *decoding.ahead[:taken]])
+            del decoding.ahead[:taken]
+        return runs
+
+    def jump_forward(self, state: RequestState) -> bool:
+        """The tokens a request's grammar allows alone after the one just sampled go into its answer now and into the
+        model with the next step, as rows beside it (SGLang's jump-forward decoding): a step reads the weights once
+        for all of them. Whether the answer ended among them."""
+        decoding = state.decoding
+        if decoding.sequence.step is None or not self.config.jump_forward:  # transformers' forward: a token a step
+            return False
+        forced = decoding.sampler.forced(state.params.max_new_tokens - decoding.output.tokens)
+        for index, token in enumerate(forced):
+            decoding.ahead.append(token)
+            with state.trace.stage(DETOKENIZE, announce=False):
+                decoding.output.take(token, complete=index == len(forced) - 1 and decoding.sampler.done)
+            if decoding.output.stopped or decoding.output.tokens >= state.params.max_new_tokens:
+                return True
+        return False
 
     def _decode_ahead(self, state: RequestState, ended: list[RequestState]) -> list[RequestState]:
         """A request decoding alone, several tokens a step: drafted, then checked in one pass, each row's token

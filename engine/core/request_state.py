@@ -28,6 +28,8 @@ class Decoding:
     rss: list[int] = field(default_factory=list)  # before, peak
     drafted: int = 0  # tokens drafted for it and checked (model/draft.py), and those kept
     kept: int = 0
+    # Tokens after it that its grammar forced, already in the answer: fed with it in the next step (jump-forward)
+    ahead: list[int] = field(default_factory=list)
 
 
 class RequestState:

@@ -97,6 +97,16 @@ class Sampler:
         grammar.accept(token)
         return token
 
+    def forced(self, most: int) -> list[int]:
+        """Up to `most` tokens the answer's grammar allows alone after the last choice, taken as choices of their
+        own (counted for penalties); none where logprobs are asked (each token's would need its own step)."""
+        if self.grammar is None or self.top_logprobs is not None:
+            return []
+        tokens = self.grammar.forced(most)
+        for token in tokens:
+            self.counts[token] = self.counts.get(token, 0) + 1
+        return tokens
+
     @property
     def greedy(self) -> bool:
         """Takes the largest logit, after bias and penalties, with no grammar: a drafted token can be checked against

@@ -274,13 +274,41 @@ class DirectDecodeStep:
         many of the positions as it accepts."""
         count = tokens.shape[0]
         self._make_room(kv, kv.length + count)
-        # Row r is a sequence of its own over the same buffers, r positions longer: it attends over the rows before
-        # it, whose keys and values are written before any row attends.
-        rows = [SequenceKV(kv.keys, kv.values, kv.length + row) for row in range(count)]
-        return self._rows(rows, tokens, positions, shared=kv)
+        return self._rows(self._run_rows(kv, count), tokens, positions, shared=[(kv, 0, count)])
+
+    def runs(self, kvs: list[SequenceKV], tokens: torch.Tensor, positions: torch.Tensor,
+             counts: list[int]) -> torch.Tensor:
+        """counts[i] tokens for each of B sequences in one pass (tokens (sum,) at positions (4, 1, sum), sequence by
+        sequence) -> the logits after each sequence's last token (B, vocab). Each token a row of its own, as `check`
+        runs them; each sequence keeps all of its tokens. A lone row runs beside a copy of itself: every row then
+        goes through the same products (several rows), whatever the others, so an answer's rows compute alike
+        alone, in a batch, and with tokens riding along (one-row products round differently)."""
+        rows, shared = [], []
+        for kv, count in zip(kvs, counts):
+            self._make_room(kv, kv.length + count)
+            shared.append((kv, len(rows), count))
+            rows += self._run_rows(kv, count)
+        if len(rows) == 1:
+            rows.append(SequenceKV(kvs[0].keys, kvs[0].values, kvs[0].length))
+            tokens, positions = tokens.repeat(2), positions.repeat(1, 1, 2)
+        last = torch.tensor(counts).cumsum(0) - 1
+        logits = self._rows(rows, tokens, positions, shared=shared, keep=last)
+        for kv, count in zip(kvs, counts):
+            kv.length += count
+        return logits
+
+    @staticmethod
+    def _run_rows(kv: SequenceKV, count: int) -> list[SequenceKV]:
+        """Row r of a run is a sequence of its own over the run's buffers, r positions longer: it attends over the
+        rows before it, whose keys and values are written before any row attends."""
+        return [SequenceKV(kv.keys, kv.values, kv.length + row) for row in range(count)]
 
     def _rows(self, kvs: list[SequenceKV], tokens: torch.Tensor, positions: torch.Tensor,
-              shared: SequenceKV | None = None) -> torch.Tensor:
+              shared: list[tuple[SequenceKV, int, int]] | None = None,
+              keep: torch.Tensor | None = None) -> torch.Tensor:
+        """`shared`: (buffers, first row, rows) of runs whose rows share buffers, their keys and values written here
+        before any row attends. `keep`: the rows whose logits are wanted (the last layer and the head run on them
+        alone), else all."""
         rows = len(kvs)
         hidden = self.embed_tokens(tokens.view(rows))  # (B, hidden)
         if self.hidden_dtype is not None:
@@ -296,12 +324,14 @@ class DirectDecodeStep:
         attended = None
         for index, segment in enumerate(segments[:-1]):
             hidden, query, key, value = segment(index, hidden, attended, cos, signed_sin)
-            if shared is not None:
-                shared.keys[index][:, shared.length:shared.length + rows].copy_(key.transpose(0, 1))
-                shared.values[index][:, shared.length:shared.length + rows].copy_(value.transpose(0, 1))
+            for kv, first, count in shared or ():
+                kv.keys[index][:, kv.length:kv.length + count].copy_(key[first:first + count].transpose(0, 1))
+                kv.values[index][:, kv.length:kv.length + count].copy_(value[first:first + count].transpose(0, 1))
             attended = attend(index, query, key, value)
         for kv in kvs:
             kv.length += 1
+        if keep is not None:
+            hidden, attended, cos, signed_sin = hidden[keep], attended[keep], cos[keep], signed_sin[keep]
         return segments[-1](len(self.layers), hidden, attended, cos, signed_sin)
 
 

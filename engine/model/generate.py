@@ -223,22 +223,30 @@ def detach_step(state: DecodeState) -> None:
         state.kv = None
 
 
-def _append_token(state: DecodeState, token: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _append_tokens(state: DecodeState, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     position = state.tokens.shape[1]
-    new_token = torch.tensor([[token]], dtype=state.tokens.dtype)
-    new_positions = next_positions(position, state.rope_delta)
-    state.tokens = torch.cat([state.tokens, new_token], dim=1)
+    new_tokens = torch.tensor([tokens], dtype=state.tokens.dtype)
+    new_positions = next_positions(position, state.rope_delta, len(tokens))
+    state.tokens = torch.cat([state.tokens, new_tokens], dim=1)
     state.positions = torch.cat([state.positions, new_positions], dim=2)
-    return new_token, new_positions
+    return new_tokens, new_positions
 
 
-def decode_batch(step, states: list[DecodeState], tokens: list[int]) -> torch.Tensor:
-    """Feed each state its next token in one step of the direct `step`: B rows through the products, attention per
-    sequence -> next logits (B, vocab), row i for states[i]."""
-    appended = [_append_token(state, token) for state, token in zip(states, tokens)]
-    ids = torch.cat([new_token.view(1) for new_token, _ in appended])
+def _append_token(state: DecodeState, token: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return _append_tokens(state, [token])
+
+
+def decode_batch(step, states: list[DecodeState], runs: list[list[int]], as_runs: bool = False) -> torch.Tensor:
+    """Feed each state its next tokens in one step of the direct `step`: a row each through the products, attention
+    per sequence -> next logits (B, vocab) after each state's last token, row i for states[i]. A run of several
+    tokens (a grammar's forced ones after the sampled one) goes as rows of its own (DirectDecodeStep.runs); so does
+    every step of `as_runs`, so that its rows compute alike whether or not forced tokens ride along."""
+    appended = [_append_tokens(state, run) for state, run in zip(states, runs)]
+    ids = torch.cat([new_tokens.view(-1) for new_tokens, _ in appended])
     positions = torch.cat([new_positions for _, new_positions in appended], dim=2)
-    return step.batch([state.kv for state in states], ids, positions)
+    if not as_runs and all(len(run) == 1 for run in runs):
+        return step.batch([state.kv for state in states], ids, positions)
+    return step.runs([state.kv for state in states], ids, positions, [len(run) for run in runs])
 
 
 def decode_one_token(model, state: DecodeState, token: int) -> torch.Tensor:

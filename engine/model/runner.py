@@ -12,10 +12,14 @@ from . import decode_backend, draft
 from .direct_step import DirectDecodeStep
 from .generate import (ChunkedPrefill, DecodeState, VisionEncoding, attach_step, decode_batch, decode_one_token,
                        detach_step, prefill_text)
+from ..kernels.quantize import DIRECT_ROWS
 from .loading import LoadedModel, load_model
 from .memory_pages import back_with_huge_pages, huge_pages_pay
 
 log = logging.getLogger(__name__)
+# The most rows one decode step runs when a grammar's forced tokens ride along: up to here the compact kernels'
+# small products read each weight once for all rows.
+STEP_ROWS = DIRECT_ROWS
 
 
 class ModelRunner:
@@ -65,12 +69,15 @@ class ModelRunner:
         if self.decode_step is not None:
             attach_step(state, self.decode_step)
 
-    def decode(self, states: list[DecodeState], tokens: list[int]) -> torch.Tensor:
-        """Each sequence one token further in one step: their next logits, row by row."""
+    def decode(self, states: list[DecodeState], runs: list[list[int]], held: bool = False) -> torch.Tensor:
+        """Each sequence its run of tokens further (one token, or a sampled one and those its grammar forces after
+        it) in one step: their next logits, row by row. `held`: a sequence of the step follows a grammar, and its
+        every step runs as runs do (generate.decode_batch), so forced tokens riding along change none of its
+        tokens."""
         if states[0].step is None:  # not on the step (plain kernels, no KV cache): transformers' forward, alone
-            (state,), (token,) = states, tokens
+            (state,), ((token,),) = states, runs
             return decode_one_token(self.loaded.model, state, token)
-        return decode_batch(self.decode_step, states, tokens)
+        return decode_batch(self.decode_step, states, runs, as_runs=held)
 
     def drafts_for(self, state: DecodeState, drafted: int, kept: int) -> bool:
         """Whether `state` decodes through the step a draft runs beside, and its drafts so far pay."""

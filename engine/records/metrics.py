@@ -44,6 +44,8 @@ class RequestMetrics:
     # float32's drafted decode (engine/model/draft.py): tokens an int8 copy proposed, and those the model kept
     drafted_tokens: int = 0
     drafts_kept: int = 0
+    # Tokens a grammar forced that rode along in a decode step beside the step's own token (jump-forward)
+    forced_tokens: int = 0
     paused_s: float = 0.0  # time its decode waited while other requests were admitted (their encode and prefill)
     document_pages: tuple[dict, ...] = ()  # each document page read: document, page, rendered size, vision tokens
     ttft_s: float | None = None  # submission to first token text
@@ -69,8 +71,9 @@ class RequestMetrics:
 
     @property
     def decode_gb_per_s(self) -> float | None:
-        """Weights read per second while decoding: how close decode runs to the memory's read rate. Drafted decode
-        counts each token as a step of its own would read it, so the figure can pass the read rate: its gain."""
+        """Weights read per second while decoding: how close decode runs to the memory's read rate. Drafted decode and
+        forced tokens count each token as a step of its own would read it, so the figure can pass the read rate: their
+        gain."""
         if not self.decode_tokens_per_s or not self.decode_weight_bytes:
             return None
         return self.decode_weight_bytes * self.decode_tokens_per_s / 1e9

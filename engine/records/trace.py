@@ -48,6 +48,7 @@ class RequestTrace:
         self.token_latencies_s: list[float] = []  # a decode step's time, once per token after the first
         self.decode_batch_sizes: list[int] = []  # how many requests shared that step
         self.drafted_tokens = self.drafts_kept = 0
+        self.forced_tokens = 0
         self.paused_s = 0.0
         self.ttft_s: float | None = None
         self.decode_tokens_per_s: float | None = None
@@ -171,6 +172,7 @@ class RequestTrace:
             decode_batch_sizes=tuple(self.decode_batch_sizes),
             drafted_tokens=self.drafted_tokens,
             drafts_kept=self.drafts_kept,
+            forced_tokens=self.forced_tokens,
             paused_s=self.paused_s,
             document_pages=self.document_pages,
             ttft_s=self.ttft_s,

@@ -17,6 +17,9 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import GenerationFailed
 
 # The most tokens a grammar may force before the answer's first free choice: more is a schema no answer could finish
 # (a required property that contains itself, say).
@@ -26,6 +29,7 @@ WORKER_MEMORY_BYTES = 4 * 1024**3
 START_SECONDS = 60.0  # the worker's start: Python, llguidance and the tokenizer's tables
 # What a built grammar is counted as at the least: a small one's growth hides in memory the allocator had already.
 MIN_GRAMMAR_BYTES = 64 * 1024
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder holding the engine package
 TOOK_TOO_LONG = "took too long"  # a trial's error when the worker was killed at the time limit
 
 
@@ -72,16 +76,18 @@ class GrammarTrials:
 
     def _ensure_started(self) -> subprocess.Popen:
         if self._process is None or self._process.poll() is not None:
+            # Started where `engine` imports from, whatever the caller's working directory.
             process = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE,
                                        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, preexec_fn=_worker_limits,
-                                       env=dict(os.environ, RAYON_NUM_THREADS="1"))
-            _send(process.stdin, self._setup)
+                                       env=dict(os.environ, RAYON_NUM_THREADS="1"), cwd=PACKAGE_ROOT)
             try:
+                _send(process.stdin, self._setup)
                 _receive(process.stdout, time.monotonic() + START_SECONDS)
-            except (TimeoutError, EOFError):
+            except (TimeoutError, EOFError, BrokenPipeError):
                 process.kill()
                 process.wait()
-                raise RuntimeError("the grammar worker did not start") from None
+                raise GenerationFailed("structured answers are unavailable: the grammar worker did not start") \
+                    from None
             self._process = process
         return self._process
 
@@ -89,13 +95,13 @@ class GrammarTrials:
         """Build `grammar` in the worker; past `limit_s` seconds the worker is killed and the trial says so."""
         with self._lock:
             process = self._ensure_started()
-            _send(process.stdin, grammar)
             try:
+                _send(process.stdin, grammar)
                 return Trial(**_receive(process.stdout, time.monotonic() + limit_s))
             except TimeoutError:
                 self._restart()
                 return Trial(TOOK_TOO_LONG, limit_s)
-            except EOFError:  # the worker died: out of memory, most likely
+            except (EOFError, BrokenPipeError):  # the worker died: out of memory, most likely
                 self._restart()
                 return Trial("too large to build (the grammar worker ran out of memory)")
 

@@ -56,6 +56,7 @@ class CompiledGrammar:
     what: str  # "json_schema" or "tool_calls"
     bytes: int = 0  # what building it took in memory, as its trial measured
     loosened: tuple[str, ...] = ()  # what of a schema without `strict` the grammar does not hold
+    free_text: bool = False  # tool_choice auto: free text around the calls
     check: AnswerCheck | None = None  # what a finished answer is checked against, when something was loosened
     # Called with the refusal once the grammar gave out mid-answer: the cache then holds the refusal, not the grammar
     # (nor what it grew while failing), and the next request with its schema is refused at submit.
@@ -239,6 +240,8 @@ class GrammarCompiler:
             grammar = LLMatcher.grammar_from_lark(tool_call_lark(tools, choice, parallel, *self._tool_ids))
             check = AnswerCheck("tool_calls", tuple((tool.name, tool.parameters) for tool in tools))
         compiled = self._build(grammar, key[0], config.grammar_compile_seconds)
+        if key[0] == "tool_calls" and key[2] == "auto":
+            compiled = dataclasses.replace(compiled, free_text=True)
         loosened = tuple(compiled.matcher.get_grammar_warnings())
         return dataclasses.replace(compiled, loosened=loosened, check=check) if loosened else compiled
 

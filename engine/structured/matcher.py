@@ -33,6 +33,7 @@ class GrammarMatcher:
         self.what, self._forget = compiled.what, compiled.forget
         self.check = compiled.check  # what the finished answer is checked against (None: the grammar held it all)
         self.loosened = compiled.loosened
+        self.free_text = compiled.free_text
         self.eos_ids = frozenset(eos_ids)
         self._bits = np.zeros((vocab_size + 31) // 32, dtype=np.int32)
         self._ready = False  # the bits hold the mask of the tokens allowed next
@@ -79,6 +80,26 @@ class GrammarMatcher:
             narrowed, ids = logits, None
         self.seconds += time.perf_counter() - started
         return narrowed, ids
+
+    def forced(self, most: int) -> list[int]:
+        """Up to `most` next tokens, each the only one the grammar allows where it stands (never an end token),
+        accepted as they are found: step-by-step decoding would choose each of them whatever the logits."""
+        started, tokens = time.perf_counter(), []
+        while len(tokens) < most and not self.matcher.is_stopped():
+            self.fill_mask()
+            words = np.flatnonzero(self._bits)
+            if len(words) != 1:
+                break
+            word = int(self._bits[words[0]]) & 0xFFFFFFFF
+            token = int(words[0]) * 32 + word.bit_length() - 1
+            if word & (word - 1) or token in self.eos_ids:
+                break
+            if not self.matcher.consume_token(token):
+                raise self._failed()
+            self._ready = False
+            tokens.append(token)
+        self.seconds += time.perf_counter() - started
+        return tokens
 
     def accept(self, token: int) -> None:
         started = time.perf_counter()

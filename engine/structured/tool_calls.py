@@ -1,13 +1,16 @@
 """The model's own tool calls, `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>` blocks in its answer
-(Qwen's Hermes-style format): written for calls a remote server returns, and read out of the text as it streams: text outside them is content, each block that
-parses to an offered function is a call, and a block that does not parse stays text. A block the answer ends inside
-(cut by max_tokens) is the call so far, as OpenAI gives a cut call, never markup shown as content."""
+(Qwen's Hermes-style format): written for calls a remote server returns, and read out of the text as it streams:
+text outside them is content, each block that names an offered function is a call whose arguments stream as they
+come, and a block that does not stays text. A block the answer ends inside (cut by max_tokens) is the call so far, as
+OpenAI gives a cut call, never markup shown as content."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import uuid
 from dataclasses import dataclass, field
+from typing import Union
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 # The start of a block as the model (and the grammar that holds it) writes it: the name, then the arguments so far.
@@ -16,6 +19,9 @@ CALL_SO_FAR = re.compile(r'\s*\{\s*"name"\s*:\s*"([^"\\]*)"\s*,\s*"arguments"\s*
 
 @dataclass(frozen=True)
 class ParsedCall:
+    """A call read out of the answer. Streamed, it is first announced with the arguments read so far (none), and
+    its arguments follow as CallArguments; `ToolCallParser.calls` holds it whole."""
+
     index: int
     id: str
     name: str
@@ -24,42 +30,60 @@ class ParsedCall:
     def as_openai(self) -> dict:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
-    def deltas(self) -> list[dict]:
-        """The call as OpenAI streams one: its id, type and name with empty arguments, then the arguments in a delta
-        that carries only the index (a client appends every later delta's arguments to the first's)."""
-        return [{"index": self.index, "id": self.id, "type": "function",
-                 "function": {"name": self.name, "arguments": ""}},
-                {"index": self.index, "function": {"arguments": self.arguments}}]
+    def delta(self) -> dict:
+        """The call's first streamed delta, as OpenAI sends it: id, type and name, with empty arguments."""
+        return {"index": self.index, "id": self.id, "type": "function", "function": {"name": self.name, "arguments": ""}}
+
+
+@dataclass(frozen=True)
+class CallArguments:
+    """More of a streamed call's arguments: a client appends them to what the call's earlier deltas carried."""
+
+    index: int
+    text: str
+
+    def delta(self) -> dict:
+        return {"index": self.index, "function": {"arguments": self.text}}
+
+
+Piece = Union[str, ParsedCall, CallArguments]
 
 
 @dataclass
 class ToolCallParser:
-    """Feed it the answer's text piece by piece; each `feed` returns what may be shown now: content text and calls.
-    Text that might be the start of a block is held until the next pieces tell."""
+    """Feed it the answer's text piece by piece; each `feed` returns what may be shown now: content text, calls as
+    they open, and their arguments as they come. Text that might be the start of a block is held until the next
+    pieces tell; a block is a call once it names an offered function and opens its arguments' object (as the
+    grammar that holds a call writes it), and its arguments stream from there."""
 
     names: frozenset[str]
     max_calls: int | None = None  # 1 when parallel_tool_calls is false: later blocks stay text
     calls: list[ParsedCall] = field(default_factory=list)
     _pending: str = ""
     _inside: bool = False
+    _open: ParsedCall | None = None  # the call whose arguments are streaming
+    _sent: int = 0  # characters of its arguments sent
     _held_space: str = ""  # whitespace between calls is not content unless more content follows
 
-    def feed(self, text: str) -> list[str | ParsedCall]:
+    def feed(self, text: str) -> list[Piece]:
         self._pending += text
-        out: list[str | ParsedCall] = []
+        out: list[Piece] = []
         while True:
             if self._inside:
                 end = self._pending.find(CLOSE)
                 if end < 0:
-                    return out
+                    return out + self._stream_arguments()
                 body, self._pending = self._pending[:end], self._pending[end + len(CLOSE):]
                 self._inside = False
+                if self._open is not None:
+                    out += self._close_open(_arguments_of(body))
+                    continue
                 call = self._call(body)
                 if call is None:
                     out += self._content(OPEN + body + CLOSE)
                 else:
                     self._held_space = ""
-                    out.append(call)
+                    out += [call, CallArguments(call.index, call.arguments)]
                 continue
             start = self._pending.find(OPEN)
             if start >= 0:
@@ -72,18 +96,49 @@ class ToolCallParser:
             self._pending = self._pending[len(self._pending) - keep:]
             return out
 
-    def finish(self) -> list[str | ParsedCall]:
+    def finish(self) -> list[Piece]:
         """The answer ended: held text is content; an unfinished block is the call so far when its function is known
         (named in it, or the only one offered), else nothing."""
         if self._inside:
-            cut, self._pending, self._inside = self._cut_call(self._pending), "", False
-            return [cut] if cut is not None else []
+            body, self._pending, self._inside = self._pending, "", False
+            if self._open is not None:
+                so_far = CALL_SO_FAR.match(body)
+                return self._close_open(so_far.group(2) if so_far else "")
+            cut = self._cut_call(body)
+            return [cut, CallArguments(cut.index, cut.arguments)] if cut is not None else []
         rest, self._pending = self._pending, ""
         out = self._content(rest)
         if not self.calls and self._held_space:
             out.append(self._held_space)
         self._held_space = ""
         return out
+
+    def _stream_arguments(self) -> list[Piece]:
+        """Inside a block: the call announced once its name and the start of its arguments' object are read, then
+        its arguments up to what could still be the block's end (the wrapper's `}`, the line break, `</tool_call>`)."""
+        so_far = CALL_SO_FAR.match(self._pending)
+        out: list[Piece] = []
+        if self._open is None:
+            if so_far is None or not so_far.group(2).lstrip().startswith("{") or so_far.group(1) not in self.names \
+                    or (self.max_calls is not None and len(self.calls) >= self.max_calls):
+                return out
+            self._open, self._sent = self._new_call(so_far.group(1), ""), 0
+            self._held_space = ""
+            out.append(self._open)
+        arguments = so_far.group(2)
+        keep = next((k for k in range(min(len(CLOSE) - 1, len(arguments)), 0, -1) if arguments.endswith(CLOSE[:k])), 0)
+        shown = arguments[:len(arguments) - keep].rstrip()
+        shown = shown[:-1] if shown.endswith("}") else shown
+        if len(shown) > self._sent:
+            out.append(CallArguments(self._open.index, shown[self._sent:]))
+            self._sent = len(shown)
+        return out
+
+    def _close_open(self, arguments: str) -> list[Piece]:
+        """The streaming call's block ended (or the answer did): the rest of its arguments, and the call whole."""
+        call, self._open = self._open, None
+        self.calls[call.index] = dataclasses.replace(call, arguments=arguments)
+        return [CallArguments(call.index, arguments[self._sent:])] if len(arguments) > self._sent else []
 
     def _content(self, text: str) -> list[str]:
         if not text:
@@ -125,6 +180,13 @@ class ToolCallParser:
         if not isinstance(arguments, dict):
             return None
         return self._new_call(parsed["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+def _arguments_of(body: str) -> str:
+    """A whole block's arguments: what follows `"arguments": ` up to the wrapper's closing brace."""
+    so_far = CALL_SO_FAR.match(body)
+    arguments = so_far.group(2).rstrip() if so_far else ""
+    return arguments[:-1].rstrip() if arguments.endswith("}") else arguments
 
 
 def split_calls(text: str, names: frozenset[str], max_calls: int | None = None) -> tuple[str | None, list[ParsedCall]]:
