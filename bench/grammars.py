@@ -152,18 +152,23 @@ def markdown(results: list[EngineResult], suite: str) -> str:
     return "\n".join(lines)
 
 
+def model_tokenizer(model: str) -> tuple[object, int, tuple[int, ...]]:
+    """A model folder's tokenizer, its vocabulary size (the model's, padding included) and its end tokens."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    config = json.loads((Path(model) / "config.json").read_text())
+    vocab = int(config.get("text_config", config).get("vocab_size", len(tokenizer)))
+    return tokenizer, vocab, tuple(tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>"))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.grammars", description=__doc__.split("\n\n")[0])
     parser.add_argument("--suite", required=True, help="a folder of JSON-Schema-Test-Suite test files")
     parser.add_argument("--model", default=str(shared_dir() / "qwen3-vl-2b"), help="whose tokenizer to use")
     parser.add_argument("--out", help="write the results here as JSON, and a markdown table beside it")
     args = parser.parse_args(argv)
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    config = json.loads((Path(args.model) / "config.json").read_text())
-    vocab = int(config.get("text_config", config).get("vocab_size", len(tokenizer)))
-    eos = tuple(tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>"))
+    tokenizer, vocab, eos = model_tokenizer(args.model)
     cases = suite_cases(Path(args.suite))
     results = []
     for engine_class in (Llguidance, Xgrammar):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import sys
 import time
@@ -24,6 +23,7 @@ from engine.request import ChatRequest
 from engine.structured.compiler import GrammarCompiler
 
 from .cli import machine_line, write_results
+from .grammars import model_tokenizer
 
 
 @dataclass
@@ -104,13 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=str(SKELETON_DIR), help="whose tokenizer to use")
     parser.add_argument("--out", help="write the results here as JSON, and a markdown table beside it")
     args = parser.parse_args(argv)
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    config_json = json.loads((Path(args.model) / "config.json").read_text())
-    vocab = int(config_json.get("text_config", config_json).get("vocab_size", len(tokenizer)))
-    eos = tuple(tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>"))
-    compiler = GrammarCompiler(tokenizer, vocab, eos)
+    compiler = GrammarCompiler(*model_tokenizer(args.model))
     try:
         # The server's limits (VLSCOPE_MAX_SCHEMA_BYTES and the rest, from the environment), with no cache between.
         config = dataclasses.replace(EngineConfig.from_env(), grammar_cache_entries=1)
