@@ -208,6 +208,30 @@ def test_forced_tokens_ride_along_and_the_answer_is_the_step_by_step_one(make_en
     jsonschema.validate(json.loads(jumped[0][0]), invoice)
 
 
+def test_forced_tokens_on_the_full_size_model_give_the_step_by_step_answer(tmp_path):
+    """The same on the real 2B shapes (int8, synthetic weights), where one-row products round differently from
+    products of several: a greedy schema answer with forced tokens riding along and one fed a token a step."""
+    from engine import Engine, EngineConfig
+
+    from .conftest import FULL_SKELETON
+
+    engine = Engine(EngineConfig(model=str(FULL_SKELETON), dtype="int8", compile="off", warmup=False,
+                                 db_path=str(tmp_path / "full.db")))
+    try:
+        schema = json.dumps({"type": "object", "required": ["invoice_number", "payment_status", "customer_name"],
+                             "additionalProperties": False, "properties": {
+                                 "invoice_number": {"type": "string", "maxLength": 8},
+                                 "payment_status": {"enum": ["paid", "partially_paid"]},
+                                 "customer_name": {"type": "string", "maxLength": 8}}})
+        jumped = engine.ask(ChatRequest(prompt="Read the invoice", json_schema=schema, max_new_tokens=40))
+        engine.config = engine.config.replace(jump_forward=False)
+        stepped = engine.ask(ChatRequest(prompt="Read the invoice", json_schema=schema, max_new_tokens=40))
+    finally:
+        engine.close()
+    assert jumped.text == stepped.text and json.loads(jumped.text)
+    assert jumped.metrics.forced_tokens > 10 and stepped.metrics.forced_tokens == 0
+
+
 def test_a_cancel_frees_the_matcher_and_the_queue(engine):
     schema = {"type": "array", "items": {"type": "integer"}, "maxItems": 10_000}
     handle = engine.submit(ChatRequest(prompt="count", json_schema=json.dumps(schema), max_new_tokens=500))
