@@ -33,9 +33,13 @@ def max_messages(config) -> int:
 
 def request_texts(request) -> list[str]:
     """Every text the prompt will carry: the messages, the calls earlier turns made, and the tools offered."""
+    return message_texts(request) + tool_texts(request)
+
+
+def message_texts(request) -> list[str]:
+    """The conversation's texts: the messages and the calls earlier turns made."""
     texts = [request.prompt] + [turn.text for turn in request.history]
-    texts += [part for turn in request.history for call in turn.tool_calls for part in (call.name, call.arguments)]
-    return texts + tool_texts(request)
+    return texts + [part for turn in request.history for call in turn.tool_calls for part in (call.name, call.arguments)]
 
 
 def tool_texts(request) -> list[str]:
@@ -46,7 +50,7 @@ def text_at_fault(request) -> str:
     """The part of a request a too-long prompt is blamed on, as the API names it: the tools when their definitions
     outweigh the conversation, else the messages."""
     tools = sum(len(text) for text in tool_texts(request))
-    return "tools" if tools > sum(len(text) for text in request_texts(request)) - tools else "messages"
+    return "tools" if tools > sum(len(text) for text in message_texts(request)) else "messages"
 
 
 def check_size(request, config) -> None:
@@ -69,12 +73,12 @@ def check_size(request, config) -> None:
 def check_text(request, tokens: tuple[str, ...]) -> None:
     """Refuse, before any work, text that carries a control token: typed into a prompt, `<|im_end|>` would end the
     user's turn and `<|image_pad|>` would claim an image."""
-    tools = set(map(id, tool_texts(request)))
-    for text in request_texts(request):
-        found = next((token for token in tokens if token in text), None)
-        if found is not None:
-            raise InvalidPrompt(f"The text contains {found!r}, one of the model's control tokens, which only the chat "
-                                "template may write. Remove it and ask again.", "tools" if id(text) in tools else None)
+    for texts, about in ((message_texts(request), "messages"), (tool_texts(request), "tools")):
+        for text in texts:
+            found = next((token for token in tokens if token in text), None)
+            if found is not None:
+                raise InvalidPrompt(f"The text contains {found!r}, one of the model's control tokens, which only the "
+                                    "chat template may write. Remove it and ask again.", about)
 
 
 def check_length(prompt_tokens: int, max_new_tokens: int, max_input_tokens: int, context_length: int,
