@@ -18,12 +18,12 @@ from .records.info import EngineInfo
 from .records.metrics import RequestMetrics
 from .records.stages import STAGES, STATUSES
 from .records.store import MetricsStore, open_store, stage_percentiles, to_csv
-from .request import ChatRequest, Queued, StageStarted, TextChunk, Tool, ToolCall, Turn
+from .request import ChatRequest, Queued, StageProgress, StageStarted, TextChunk, Tool, ToolCall, Turn
 from .serving import ServingEngine
 
 __all__ = [
     "Answer", "Busy", "Cancelled", "ChatRequest", "DEFAULT_MODEL", "DTYPES", "Engine", "EngineConfig", "EngineInfo",
     "GenerationFailed", "InsufficientMemory", "InvalidImage", "InvalidPrompt", "InvalidSchema", "InvalidVideo", "MetricsStore", "ModelUnavailable",
     "PromptTooLong", "Queued", "RequestHandle", "RequestMetrics", "SKELETON_DIR", "ServingEngine", "STAGES", "STATUSES",
-    "StageStarted", "TextChunk", "Tool", "ToolCall", "Turn", "VlscopeError", "open_store", "stage_percentiles", "to_csv",
+    "StageProgress", "StageStarted", "TextChunk", "Tool", "ToolCall", "Turn", "VlscopeError", "open_store", "stage_percentiles", "to_csv",
 ]

@@ -31,12 +31,12 @@ from .records.info import EngineInfo
 from .records.metrics import RequestMetrics
 from .records.stages import CANCELLED, FRAME_DECODE, GRAMMAR, REFUSED, VIDEO_PROBE
 from .records.store import MetricsStore, open_store
-from .request import ChatRequest, Queued, StageStarted, TextChunk
+from .request import ChatRequest, Queued, StageProgress, StageStarted, TextChunk
 from .structured.compiler import GrammarCompiler
 
 log = logging.getLogger(__name__)
 
-Event = Union[Queued, StageStarted, TextChunk, RequestMetrics]
+Event = Union[Queued, StageStarted, StageProgress, TextChunk, RequestMetrics]
 ProgressCallback = Callable[[float, str], None]  # (fraction done 0..1, what is happening)
 
 
@@ -133,7 +133,7 @@ class StreamingMixin:
     """stream() and ask() for any engine with submit(): the local one and the remote one alike."""
 
     def stream(self, request: ChatRequest) -> Iterator[Event]:
-        """Yield Queued, StageStarted and TextChunk events, then the RequestMetrics. Errors raise VlscopeError.
+        """Yield Queued, StageStarted, StageProgress and TextChunk events, then the RequestMetrics. Errors raise VlscopeError.
 
         Closing the generator early (a stop button, a rerun, a dropped connection) cancels the request."""
         handle = self.submit(request)

@@ -72,6 +72,9 @@ class EngineConfig:
     min_pixels: int = 64 * PIXELS_PER_VISION_TOKEN
     max_pixels: int = 1024 * PIXELS_PER_VISION_TOKEN
     max_new_tokens: int = 512
+    # The default answer length where the weights are synthetic (their answers are noise that runs to the cap); a
+    # request's own max_tokens still reaches max_new_tokens. 0: no lower default.
+    synthetic_max_new_tokens: int = 128
     max_input_tokens: int = 8192
     temperature: float = 0.0  # 0 means greedy
     top_p: float = 1.0
@@ -141,6 +144,8 @@ class EngineConfig:
             raise ValueError("threads must be at least 1")
         if not 0 < self.min_pixels <= self.max_pixels:
             raise ValueError("need 0 < min_pixels <= max_pixels")
+        if self.synthetic_max_new_tokens < 0:
+            raise ValueError("synthetic_max_new_tokens must be 0 (no lower default) or more")
         if self.max_new_tokens < 1 or self.max_input_tokens < 1:
             raise ValueError("max_new_tokens and max_input_tokens must be at least 1")
         if self.temperature < 0 or not 0 < self.top_p <= 1:

@@ -65,6 +65,10 @@ class Busy(VlscopeError):
 class ModelUnavailable(VlscopeError):
     kind = "model_unavailable"
 
+    def __init__(self, message: str, cause: str | None = None):
+        super().__init__(message)
+        self.cause = cause or message  # what went wrong alone, without the command-line advice
+
 
 class Cancelled(VlscopeError):
     """Its caller cancelled the request before it was queued (while a clip's frames were decoded, say)."""

@@ -92,6 +92,13 @@ class ChatRequest:
         return bool(self.tools) and self.tool_choice not in ("none", "auto")
 
 
+def default_answer_tokens(config, synthetic: bool) -> int:
+    """The answer length a request that sets none gets."""
+    if synthetic and config.synthetic_max_new_tokens:
+        return min(config.max_new_tokens, config.synthetic_max_new_tokens)
+    return config.max_new_tokens
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How a request's answer is drawn and how long it may grow, settled once at intake from the request and the
@@ -109,9 +116,10 @@ class SamplingParams:
     stop: tuple[str, ...]
 
     @classmethod
-    def settle(cls, request: ChatRequest, config) -> SamplingParams:
-        """The request's own values where it set them, else the engine's settings (`config`)."""
-        return cls(max_new_tokens=request.max_new_tokens or config.max_new_tokens,
+    def settle(cls, request: ChatRequest, config, synthetic: bool = False) -> SamplingParams:
+        """The request's own values where it set them, else the engine's settings (`config`); `synthetic` weights
+        answer noise up to the cap, so their default length is the lower synthetic_max_new_tokens."""
+        return cls(max_new_tokens=request.max_new_tokens or default_answer_tokens(config, synthetic),
                    temperature=config.temperature if request.temperature is None else request.temperature,
                    top_p=config.top_p if request.top_p is None else request.top_p,
                    seed=request.seed, presence_penalty=request.presence_penalty,
@@ -131,6 +139,17 @@ class StageStarted:
     """A stage of the request begins: lets a UI say what the CPU is busy with."""
 
     name: str
+
+
+@dataclass(frozen=True)
+class StageProgress:
+    """How far a long stage is: `done` of `total` pieces (the vision tower's blocks, the prompt's tokens), so a UI
+    shows progress through a wait of seconds instead of one still line."""
+
+    name: str
+    done: int
+    total: int
+    unit: str  # what a piece is, in words: "blocks", "prompt tokens"
 
 
 @dataclass(frozen=True)

@@ -1,17 +1,20 @@
 """Chat page: pick or upload an image or a PDF, ask, watch the answer stream, see what it cost."""
 import json
 import logging
+import time
 from pathlib import Path
 
 import streamlit as st
 
-from engine import InvalidImage, Queued, RequestMetrics, StageStarted, TextChunk, VlscopeError
+from engine import InvalidImage, Queued, RequestMetrics, StageProgress, StageStarted, TextChunk, VlscopeError
+from engine.inputs.documents import page_tokens
 from engine.inputs.images import decode, load_image, read_header
 from engine.inputs.ocr import enhance_for_ocr
 from engine.records.stages import RUNNING
 from ui.engine_resource import get_engine
-from ui.conversation import (PRESETS, SCHEMA_PRESETS, ChatTurn, build_request, images_to_attach, inert_markdown,
-                             parsed_json, stats_line, transcript)
+from ui.conversation import (PRESETS, SCHEMA_PRESETS, ChatTurn, attached_words, build_request, images_to_attach,
+                             inert_markdown, parsed_json, stats_line, transcript)
+from ui.estimate import estimate_line
 from engine.inputs.documents import Document
 from ui.clips import SAMPLE_CLIP, Clip, clip_preview, clip_strip, is_clip, sample_clip
 from ui.documents import document_of, page_picker, png_thumbnail
@@ -38,6 +41,15 @@ def thumbnail(data: bytes, max_pixels: int, max_bytes: int, name: str = "image")
     except InvalidImage as exc:
         return None, exc.message
     return png_thumbnail(picture, 560), None
+
+
+@st.cache_data(max_entries=64, show_spinner=False)
+def picture_tokens(data: bytes, max_pixels: int, max_bytes: int, config) -> int:
+    """The vision tokens a picture costs at the loaded budget, from its header alone."""
+    try:
+        return page_tokens(read_header(data, max_pixels=max_pixels, max_bytes=max_bytes).size, config)
+    except InvalidImage:
+        return 0
 
 
 @st.cache_data(max_entries=16, show_spinner="Enhancing for OCR…")
@@ -92,24 +104,30 @@ if any(is_clip(name) or name == SAMPLE_CLIP for name, _ in picked):
                                             value=engine.config.video_fps if engine.config.video_fps in
                                             (0.5, 1.0, 2.0, 4.0) else 2.0, key="video_fps")
 current = []
+vision_tokens = 0  # what the picked pictures, pages and clips cost, for the estimate before sending
 for name, data in picked:
     if is_clip(name) or name == SAMPLE_CLIP:
-        clip = clip_strip(upload_column, name, data, video_fps, engine.config)
-        if clip is not None:
-            current.append((name, clip))
+        strip = clip_strip(upload_column, name, data, video_fps, engine.config)
+        if strip is not None:
+            current.append((name, strip[0]))
+            vision_tokens += strip[1]
         continue
     if document_of(data, engine.config.max_image_bytes):
-        document = page_picker(upload_column, name, data, engine.config)
-        if document is not None:
+        picked_pages = page_picker(upload_column, name, data, engine.config)
+        if picked_pages is not None:
+            document, tokens = picked_pages
             pages = document.pages
             current.append((f"{name}, page{'s' if len(pages) > 1 else ''} {pages[0]}"
                             + (f"-{pages[-1]}" if len(pages) > 1 else ""), document))
+            vision_tokens += tokens
         continue
     image, problem = thumbnail(data, engine.config.max_image_pixels, engine.config.max_image_bytes, name)
     if problem:
         upload_column.error(f"Not used: {problem}", icon=":material/broken_image:")
     else:
         current.append((name, data))
+        vision_tokens += picture_tokens(data, engine.config.max_image_pixels, engine.config.max_image_bytes,
+                                        engine.config)
         sample_column.image(image, width=120, caption=name)
 if enhance and any(isinstance(data, bytes) for _, data in current):
     with st.expander("What the model sees with Enhance for OCR", expanded=False):
@@ -120,6 +138,19 @@ if enhance and any(isinstance(data, bytes) for _, data in current):
                                           engine.config.max_pixels)
             if enhanced is not None:
                 after.image(enhanced, caption=f"{name}, enhanced", width=240)
+
+# Above the conversation, so they stay where they are as it grows; beside them what the next question will cost.
+actions = st.columns([1, 1, 5], vertical_alignment="center")
+ask_preset = actions[0].button(f"Ask: {preset}", key="ask_preset", disabled=not PRESETS[preset])
+if actions[1].button("Clear chat", key="clear_chat"):
+    st.session_state["turns"] = []
+    st.rerun()
+actions[2].caption(estimate_line(engine, images_to_attach(turns, current), vision_tokens),
+                   help="Vision encode and prefill grow with the prompt's tokens, decode with the answer's: both "
+                        "rates come from the benchmark on record for this CPU kind at the loaded precision, or, "
+                        "without one for this model, from this server's latest answers.")
+st.divider()
+
 
 def settle_stopped(pending: list[ChatTurn]) -> bool:
     """Give stopped answers their cost line from the records the engine's worker wrote after the stop. Returns
@@ -154,18 +185,23 @@ for turn in turns:
         if turn.stats:
             st.caption(turn.stats)
 
-actions = st.columns([1, 1, 5])
-ask_preset = actions[0].button(f"Ask: {preset}", key="ask_preset", disabled=not PRESETS[preset])
-if actions[1].button("Clear chat", key="clear_chat"):
-    st.session_state["turns"] = []
-    st.rerun()
-
-typed = st.chat_input("Ask about the image", key="chat_prompt", submit_mode="stop", max_chars=8000)
+typed = st.chat_input(attached_words(current, turns), key="chat_prompt", submit_mode="stop", max_chars=8000)
 prompt = typed if typed else (PRESETS[preset] if ask_preset else None)
+
+
+
+def progress_text(event: StageProgress, started: float) -> str:
+    """A long stage's progress in words: pieces done of pieces, time so far and the time left at that pace."""
+    elapsed = time.monotonic() - started
+    line = f"{event.name.replace('_', ' ').capitalize()}: {event.done:,} of {event.total:,} {event.unit}, {elapsed:.0f} s"
+    if 0 < event.done < event.total:
+        line += f", about {elapsed * (event.total - event.done) / event.done:.0f} s left"
+    return line
 
 
 def stream_text(handle, status, partial: list, result: dict):
     """Engine events to text for st.write_stream. Runs in this script thread: the worker never touches st."""
+    stage_started: dict[str, float] = {}
     while True:
         event = handle.next_event(timeout=0.25)
         if event is None:
@@ -173,7 +209,11 @@ def stream_text(handle, status, partial: list, result: dict):
         if isinstance(event, Queued):
             status.info(f"Waiting for the model: {event.position} request(s) ahead", icon=":material/hourglass:")
         elif isinstance(event, StageStarted):
-            status.caption(f"{event.name.replace('_', ' ')}…")
+            stage_started.setdefault(event.name, time.monotonic())
+            status.caption(f"{event.name.replace('_', ' ').capitalize()}…")
+        elif isinstance(event, StageProgress):
+            started = stage_started.setdefault(event.name, time.monotonic())
+            status.progress(min(event.done / max(event.total, 1), 1.0), text=progress_text(event, started))
         elif isinstance(event, TextChunk):
             status.empty()
             partial.append(event.text)
@@ -194,6 +234,10 @@ if prompt:
             st.image(preview(data), caption=name, width=280)
         st.markdown(prompt)
     with st.chat_message("assistant"):
+        # Every answer stops the same way, asked by the chat box or by a preset: pressing Stop reruns the page, which
+        # ends this run; `finally` below cancels the request and keeps what was written.
+        stop = st.empty()
+        stop.button("Stop", key="stop_answer", icon=":material/stop_circle:")
         status = st.empty()
         partial: list[str] = []
         result: dict = {}
@@ -202,6 +246,7 @@ if prompt:
         try:
             handle = engine.submit(request)
             st.write_stream(stream_text(handle, status, partial, result))
+            stop.empty()
             metrics = result["metrics"]
             answer.text = "".join(partial)
             answer.stats = stats_line(metrics)
@@ -210,11 +255,13 @@ if prompt:
             st.caption(answer.stats)
         except VlscopeError as exc:
             status.empty()
+            stop.empty()
             user_turn.error = answer.error = True
             answer.text = exc.message
             st.error(exc.message)
         except Exception as exc:  # never a traceback in the UI
             log.exception("chat request failed")
+            stop.empty()
             user_turn.error = answer.error = True
             answer.text = f"Something went wrong: {type(exc).__name__}: {exc}"
             st.error(answer.text)

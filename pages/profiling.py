@@ -8,8 +8,8 @@ from engine import DTYPES, STATUSES, stage_percentiles, to_csv
 from engine.records.stages import REFUSED
 from engine.remote import RemoteEngine
 from engine.machine import ISA_FLAGS, system_report
-from ui.charts import (concurrency_chart, label, latency_over_time, records_frame, rss_chart, server_stages, stage_bars,
-                       token_latency_chart)
+from ui.charts import (RECORDS_COLUMNS, concurrency_chart, label_line, latency_over_time, records_frame, rss_chart,
+                       server_stages, stage_bars, token_latency_chart)
 from server.slot import engine_slot, get_store
 from ui.replicas import render_replicas
 
@@ -101,7 +101,7 @@ def live_view() -> None:
     with_tokens = [r for r in records if r.token_latencies_s]
     if with_tokens:
         st.subheader("Per-token decode latency")
-        chosen = st.selectbox("Request", with_tokens, format_func=label, key="token_request")
+        chosen = st.selectbox("Request", with_tokens, format_func=label_line, key="token_request")
         st.plotly_chart(token_latency_chart(chosen), key="chart_tokens")
 
     refused = Counter(r.error_type or "unknown" for r in records if r.status == REFUSED)
@@ -112,7 +112,11 @@ def live_view() -> None:
                      key="table_refused")
 
     st.subheader("Requests")
-    st.dataframe(records_frame(records), hide_index=True, key="table_requests")
+    every_column = st.toggle("Every column", key="prof_every_column",
+                             help="Queue wait, pauses, batch sizes, drafts, errors, ...; the CSV has them all.")
+    st.dataframe(records_frame(records, every_column), hide_index=True, key="table_requests",
+                 column_config={name: st.column_config.NumberColumn(format=spec["format"])
+                                for name, spec in RECORDS_COLUMNS.items()})
     st.download_button("Download CSV", to_csv(records), file_name="vlscope-requests.csv", mime="text/csv",
                        key="download_csv")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +29,20 @@ log = logging.getLogger(__name__)
 class LoadedEngine:
     engine: Engine
     fallback_reason: str | None  # why the synthetic skeleton stands in for the configured model
+    configured_model: str | None = None  # the model the settings name, when the skeleton stands in for it
+
+
+@dataclass
+class LoadProgress:
+    """How far the load in progress is, for every page that waits on it (whoever started it)."""
+
+    started_at: float = field(default_factory=time.monotonic)
+    fraction: float = 0.0
+    message: str = "starting"
+
+    @property
+    def elapsed_s(self) -> float:
+        return time.monotonic() - self.started_at
 
 
 @dataclass
@@ -38,6 +53,7 @@ class EngineSlot:
     loaded_config: EngineConfig | None = None
     error: str | None = None  # the last load failure for `config`; cleared by a retry
     loading: bool = False
+    progress: LoadProgress | None = None  # the load in progress, else None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -82,7 +98,7 @@ def build_engine(config: EngineConfig, progress, fallback_model: str = str(SKELE
         # A local folder that is wrong is the operator's mistake to see and fix, so that error is shown instead.
         if Path(config.model).expanduser().exists() or not looks_like_hub_id(config.model):
             raise
-        return LoadedEngine(Engine(config.replace(model=fallback_model), progress=progress), exc.message)
+        return LoadedEngine(Engine(config.replace(model=fallback_model), progress=progress), exc.cause, config.model)
 
 
 def _release(slot: EngineSlot) -> None:
@@ -103,9 +119,16 @@ def ensure_loaded(progress=None) -> LoadedEngine | None:
         if not slot.ready and slot.error is None:
             _release(slot)
             config = slot.config
+            slot.progress = LoadProgress()
+
+            def report(fraction: float, message: str) -> None:
+                slot.progress.fraction, slot.progress.message = fraction, message
+                if progress is not None:
+                    progress(fraction, message)
+
             slot.loading = True
             try:
-                slot.loaded = build_engine(config, progress, slot.server.fallback_model)
+                slot.loaded = build_engine(config, report, slot.server.fallback_model)
                 slot.loaded_config = config
                 # What the load made lives as long as the engine: a full collection no longer walks it, holding
                 # the interpreter (and every connection) for a fifth of a second (docs/decisions.md).
@@ -114,7 +137,7 @@ def ensure_loaded(progress=None) -> LoadedEngine | None:
                 log.exception("model load failed")
                 slot.error = exc.message if hasattr(exc, "message") else f"{type(exc).__name__}: {exc}"
             finally:
-                slot.loading = False
+                slot.loading, slot.progress = False, None
     return slot.loaded if slot.ready else None
 
 

@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.config import DTYPES
 from engine.core.compute import runs_on_compute_thread
 from engine.machine import (HIDDEN, INTERMEDIATE, PREFILL_ROWS, SystemReport, best_seconds, bfloat16_matmul_is_faster,
                             system_report)
@@ -107,16 +106,23 @@ def recommend(cases: list[dict], drift: dict, probe: PrecisionAdvice | None = No
     return PrecisionAdvice(recommended, tuple(reasons), evidence)
 
 
-def agreement_line(document: dict | None, same_cpu: bool = True) -> str:
-    """One line: how often 4-bit weights (and the other compact precisions) pick float32's token, from a benchmark
-    document's drift, or how to measure it."""
-    drift = (document or {}).get("drift_vs_float32") or {}
-    measured = {dtype: drift[dtype]["top1_agreement"] for dtype in DTYPES
-                if (drift.get(dtype) or {}).get("top1_agreement") is not None}
-    if "int4" not in measured:
-        return (f"What 4 bits cost in agreement is not measured here yet: `{REFRESH}` measures each "
+def drift_measured_on(document: dict) -> str:
+    """What a benchmark document's drift was measured on, in words (bench/harness.py's drift case)."""
+    picture = "a 256x256 picture (64 vision tokens), 8 answer tokens" if document.get("quick") else \
+        "a 448x448 picture, 32 answer tokens"
+    return picture + (", synthetic weights" if document.get("synthetic") else "")
+
+
+def agreement_line(document: dict | None, dtype: str = "int4", same_cpu: bool = True) -> str:
+    """One line: how often `dtype`'s weights pick float32's token, from a benchmark document's drift, with what it
+    was measured on, or how to measure it. One figure for every page that shows it."""
+    if dtype == "float32":
+        return "float32 is the reference: the other precisions' agreement is measured against its tokens."
+    drift = ((document or {}).get("drift_vs_float32") or {}).get(dtype) or {}
+    if drift.get("top1_agreement") is None:
+        return (f"What {dtype} costs in agreement with float32 is not measured here yet: `{REFRESH}` measures each "
                 "precision's top-1 agreement with float32.")
-    where = "on a CPU of this kind" if same_cpu else "on a CPU of another kind"
-    others = ", ".join(f"{dtype} {top1:.1%}" for dtype, top1 in measured.items() if dtype != "int4")
-    return (f"int4 picks float32's token {measured['int4']:.1%} of the time {where}"
-            + (f" ({others})" if others else "") + f", benchmark of {str(document.get('created', ''))[:10]}.")
+    where = "a CPU of this kind" if same_cpu else "a CPU of another kind"
+    positions = f" at {drift['positions']} positions" if drift.get("positions") else ""
+    return (f"{dtype} picks float32's token {drift['top1_agreement']:.1%} of the time{positions} "
+            f"({drift_measured_on(document)}; benchmark of {str(document.get('created', ''))[:10]} on {where}).")

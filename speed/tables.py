@@ -96,6 +96,37 @@ def cases_table(document: dict) -> list[dict]:
     return rows
 
 
+# The record's case each case of the app's sweep compares with, by the sweep case's name: the same picture and turns.
+RECORD_CASE_OF_SWEEP = {"448x448": "tuned", "multi-turn": "multi-turn"}
+
+
+def _weights(entry: dict) -> int | None:
+    runs = entry.get("runs") or ()
+    return runs[0].get("weight_bytes") if runs else None
+
+
+def against_record(sweep: dict, record: dict) -> list[dict]:
+    """The app's sweep beside the benchmark on record, case by case at the sweep's precision: first token and decode
+    now, on record, and now / record (first token: below 1 is faster now; decode: above 1 is faster now)."""
+    by_name = {entry["case"]["name"]: entry for entry in record.get("cases", ())}
+    rows = []
+    for entry in sweep["cases"]:
+        case, now = entry["case"], entry["summary"]
+        prefix = RECORD_CASE_OF_SWEEP.get(case["name"])
+        then = by_name.get(f"{prefix} {case['dtype']}") if prefix else None
+        if then is None:
+            continue
+        ttft, decode = _median(now, "ttft_s"), _median(now, "decode_tokens_per_s")
+        ttft_then, decode_then = _median(then["summary"], "ttft_s"), _median(then["summary"], "decode_tokens_per_s")
+        rows.append({"case": f"{case['name']} {case['dtype']}",
+                     "TTFT s now": ttft, "TTFT s on record": ttft_then,
+                     "TTFT now / record": ttft / ttft_then if ttft and ttft_then else None,
+                     "decode tok/s now": decode, "decode tok/s on record": decode_then,
+                     "decode now / record": decode / decode_then if decode and decode_then else None,
+                     "same model": _weights(entry) == _weights(then)})
+    return rows
+
+
 def html_report(document: dict, path: Path) -> None:
     path.write_text(report_figure(document).to_html(include_plotlyjs=True, full_html=True))
 

@@ -197,8 +197,11 @@ def test_profiling_page_shows_the_new_request(app_env):
 def test_settings_change_reloads_the_model(app_env):
     at = start()
     at.switch_page("pages/settings.py").run()
-    # what 4 bits cost in agreement with float32, from this machine's benchmark or how to measure it
-    assert any(line.value.startswith(("int4 picks float32's token", "What 4 bits cost")) for line in at.caption)
+    # the chosen precision's agreement with float32, from the benchmark on record or how to measure it: it follows
+    # the choice before anything is applied
+    assert any(line.value.startswith("float32 is the reference") for line in at.caption)
+    at.selectbox(key="set_dtype").set_value("int4").run()
+    assert any(line.value.startswith(("int4 picks float32's token", "What int4 costs")) for line in at.caption)
     at.selectbox(key="set_dtype").set_value("bfloat16")
     at.selectbox(key="set_compute_dtype").set_value("float32")
     assert at.number_input(key="set_max_batch").value == 4
@@ -223,14 +226,27 @@ def test_unreachable_hub_model_falls_back_to_the_skeleton(app_env, tiny_skeleton
     monkeypatch.setenv("VLSCOPE_MODEL", "Qwen/Qwen3-VL-2B-Instruct-not-here")
     monkeypatch.setenv("VLSCOPE_FALLBACK_MODEL", str(tiny_skeleton))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("VLSCOPE_MAX_NEW_TOKENS", "40")
+    monkeypatch.setenv("VLSCOPE_SYNTHETIC_MAX_NEW_TOKENS", "6")
     at = start()
     # one short line; the reason and the fix wait in an expander
     (warning,) = [w for w in at.sidebar.warning if "ynthetic" in w.value]
     assert warning.value == "Synthetic weights: answers are noise, latency and memory are real."
     (details,) = [e for e in at.sidebar.expander if e.label.startswith("Why")]
-    assert "could not be loaded" in details.caption[0].value and "--model" in details.caption[0].value
+    # one honest sentence: the hub id is what could not load, the skeleton what answers; the fix is on a page
+    why = details.caption[0].value
+    assert "`Qwen/Qwen3-VL-2B-Instruct-not-here` could not be loaded" in why and "skeleton answers" in why
+    assert "Settings page" in why and "--model" not in why and "VLSCOPE_" not in why
+    # synthetic answers stop at the lower default, and the page says so before sending
+    assert any("answers stop there by default" in c.value for c in at.caption)
     ask(at, "Hi")
     assert assistant_messages(at)
+    record = MetricsStore(app_env).recent(1, include_warmup=False)[0]
+    assert record.synthetic and record.max_new_tokens == 6 and record.output_tokens <= 6
+    at.switch_page("pages/settings.py").run()
+    assert at.text_input(key="set_model").value == "Qwen/Qwen3-VL-2B-Instruct-not-here"
+    assert why in [c.value for c in at.caption]  # the same sentence beside the model field
+    assert any(c.value.startswith("Synthetic weights are loaded: answers stop at 6 tokens") for c in at.caption)
 
 
 def test_broken_model_folder_offers_a_retry(app_env, tmp_path, monkeypatch):
@@ -250,10 +266,17 @@ def test_benchmark_page_runs_a_small_sweep(app_env):
     assert not at.exception
     at.button(key="run_sweep").click().run(timeout=300)
     assert not at.exception
-    # plots first, then a table that fits the page; the wide markdown waits in an expander
+    # first, beside the run button: the sweep against the record at the loaded precision, as ratios; the tiny model
+    # is not the one on record, and the page says so
+    beside = at.dataframe[0].value
+    assert list(beside["case"]) == ["448x448 float32", "multi-turn float32"]
+    assert {"TTFT now / record", "decode now / record"} <= set(beside.columns)
+    assert (beside["TTFT now / record"] > 0).all()
+    assert any("compare two models" in c.value for c in at.caption)
+    # then the sweep's plots and a table that fits the page; the wide markdown waits in an expander
     charts = at.get("plotly_chart")
     assert charts and "memory-read ceiling" in charts[0].proto.spec  # decode against the measured ceiling
-    table = at.dataframe[0].value  # the sweep's, shown above the committed run's
+    table = at.dataframe[1].value  # the sweep's, shown above the committed run's
     assert {"multi-turn", "1280x960"} <= set(table["case"]) and "% of read ceiling" in table.columns
     tables = [m.value for m in at.markdown if "| case |" in m.value]
     assert tables and "multi-turn" in tables[0]
@@ -300,23 +323,28 @@ def test_a_stopped_answer_keeps_its_stats_line(app_env):
 
 
 def test_concurrency_series_counts_overlapping_answers():
-    """Two answers decoding over the same second and one alone after: two at once, then one; the tokens per second
-    of the pair add up."""
+    """Two answers decoding over the same seconds and one alone after: whole counts (two at once, then none, then
+    one), and the tokens per second of the pair add up to their own rates."""
     from engine import RequestMetrics
-    from ui.charts import concurrency_chart, concurrency_series
+    from ui.charts import asked, concurrency_chart, concurrency_series
 
-    def record(start: float, end: float, tokens: int) -> RequestMetrics:
+    def record(start: float, end: float, tokens: int, **more) -> RequestMetrics:
         return RequestMetrics(id=f"r{start}", status="ok", source="api", warmup=False, submitted_at=start - 1,
                               finished_at=end, model="m", synthetic=True, dtype="int8", threads=2, kv_cache=True,
                               min_pixels=1, max_pixels=2, max_new_tokens=64, temperature=0.0, top_p=1.0,
-                              ttft_s=1.0, output_tokens=tokens)
+                              ttft_s=1.0, output_tokens=tokens, decode_tokens_per_s=tokens / (end - start), **more)
 
-    series = concurrency_series([record(100, 110, 100), record(100, 110, 50), record(120, 130, 10)], bins=30)
-    during_pair = series.iloc[:5]  # one-second bins from the pair's first token
-    assert during_pair["active"].round(3).eq(2).all() and during_pair["tokens_per_s"].round(3).eq(15).all()
-    assert series["active"].max() == 2 and series["active"].iloc[-3] == 1
-    assert series["active"].iloc[12] == 0  # between the pair and the last one
+    series = concurrency_series([record(100, 110, 100), record(103, 110, 14), record(120, 130, 10)])
+    assert list(series["active"]) == [1, 2, 0, 1, 0]
+    assert list(series["tokens_per_s"].round(3)) == [10, 12, 0, 1, 0]
+    assert series["active"].dtype.kind == "i"  # counts, never averages
     assert [trace.name for trace in concurrency_chart([]).data] == ["answers decoding at once", "tokens/s, all answers"]
+    # bars say what was asked: the PDF's pages, a clip, pictures, and the question's first words when stored
+    assert asked(record(1, 2, 1, document_pages=({"page": 2}, {"page": 3}))) == "PDF p. 2-3"
+    assert asked(record(1, 2, 1, stages={"frame_decode": 0.1}, image_sizes=((8, 8),))) == "clip"
+    assert asked(record(1, 2, 1, image_sizes=((8, 8),), prompt="Read the text on this <page> please")) == \
+        "picture: Read the text on…"
+    assert asked(record(1, 2, 1)) == "text"
 
 
 def test_a_pdf_upload_picks_its_pages_and_the_answer_names_the_render(app_env, images_dir):

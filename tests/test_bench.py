@@ -397,11 +397,15 @@ def test_schemas_counts_what_strict_refuses_and_what_lenient_loosens(tmp_path):
     assert "| **all** | 4 | 1 (25%) | 3 (75%) | 2 |" in out.with_suffix(".md").read_text()
 
 
-def test_the_settings_line_says_what_four_bits_cost():
-    document = {"created": "2026-12-06T08:00:00", "drift_vs_float32": {
-        "bfloat16": {"top1_agreement": 0.987}, "int8": {"top1_agreement": 0.974}, "int4": {"top1_agreement": 0.818}}}
-    assert agreement_line(document) == ("int4 picks float32's token 81.8% of the time on a CPU of this kind (bfloat16 98.7%, "
-                                        "int8 97.4%), benchmark of 2026-12-06.")
-    assert "another kind" in agreement_line(document, same_cpu=False)
+def test_the_settings_line_says_what_a_precision_costs_and_what_it_was_measured_on():
+    document = {"created": "2026-12-06T08:00:00", "quick": True, "synthetic": True, "drift_vs_float32": {
+        "bfloat16": {"top1_agreement": 0.987}, "int8": {"top1_agreement": 0.974, "positions": 21},
+        "int4": {"top1_agreement": 0.818, "positions": 21}}}
+    assert agreement_line(document) == (
+        "int4 picks float32's token 81.8% of the time at 21 positions (a 256x256 picture (64 vision tokens), "
+        "8 answer tokens, synthetic weights; benchmark of 2026-12-06 on a CPU of this kind).")
+    assert agreement_line(document, "int8").startswith("int8 picks float32's token 97.4% of the time at 21 ")
+    assert "another kind" in agreement_line(document, "int8", same_cpu=False)
+    assert agreement_line(document, "float32").startswith("float32 is the reference")
     del document["drift_vs_float32"]["int4"]
     assert "python -m bench --quick --record" in agreement_line(document) and "python -m bench" in agreement_line(None)

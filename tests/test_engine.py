@@ -17,6 +17,7 @@ from engine import (
     PromptTooLong,
     Queued,
     RequestMetrics,
+    StageProgress,
     StageStarted,
     TextChunk,
     Turn,
@@ -30,6 +31,12 @@ def test_stream_yields_text_then_complete_metrics(engine, images_dir):
     text, events, metrics = collect(engine, ChatRequest(prompt="Read the text", images=(images_dir / "page.png",),
                                                        max_new_tokens=24))
     assert any(isinstance(e, StageStarted) and e.name == "vision_encode" for e in events)
+    # progress through the encode (the tower's blocks) and the prefill (the prompt's tokens), ending at the whole
+    for stage, total in (("vision_encode", engine.loaded.model.model.visual.config.depth),
+                         ("prefill", metrics.prompt_tokens)):
+        reports = [(e.done, e.total) for e in events if isinstance(e, StageProgress) and e.name == stage]
+        assert reports and reports[-1] == (total, total), (stage, reports)
+        assert [done for done, _ in reports] == sorted(done for done, _ in reports)
     assert isinstance(metrics, RequestMetrics) and metrics.status == "ok"
     assert text and metrics.output_tokens == 24
     for stage in ("load_images", "preprocess", "vision_encode", "prefill", "decode", "detokenize"):

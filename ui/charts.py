@@ -9,7 +9,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from engine import RequestMetrics
-from engine.records.stages import DECODE, PREFILL, QUEUE_WAIT, STAGES
+from engine.records.stages import DECODE, FRAME_DECODE, PREFILL, QUEUE_WAIT, STAGES
 
 GIB = 1 << 30
 # One colour per name of QUEUE_WAIT + STAGES, in that order.
@@ -18,9 +18,38 @@ STAGE_COLOURS = dict(zip((QUEUE_WAIT,) + STAGES, ("#bab0ac", "#9c755f", "#d4a6c8
                                                   "#76b7b2", "#59a14f"), strict=True))
 
 
+LABEL_WORDS = 4  # of a stored question, in a bar's label
+
+
+def asked(record: RequestMetrics) -> str:
+    """What the request was about, in a few words: a PDF's pages, a clip, pictures or text alone, and the question's
+    first words where content is stored."""
+    if record.document_pages:
+        pages = [page.get("page") for page in record.document_pages]
+        what = f"PDF p. {pages[0]}" + (f"-{pages[-1]}" if len(pages) > 1 else "")
+    elif FRAME_DECODE in record.stages:
+        what = "clip"
+    elif record.image_sizes:
+        count = len(record.image_sizes)
+        what = "picture" if count == 1 else f"{count} pictures"
+    else:
+        what = "text"
+    if record.warmup:
+        what = f"warm-up, {what}"
+    if record.prompt:
+        words = html.escape(" ".join(record.prompt.split()[:LABEL_WORDS]))
+        what += f": {words}{'…' if len(record.prompt.split()) > LABEL_WORDS else ''}"
+    return what
+
+
 def label(record: RequestMetrics) -> str:
-    """A short, unique axis label: time and the id's first characters."""
-    return f"{dt.datetime.fromtimestamp(record.submitted_at):%H:%M:%S} {record.id[:6]}"
+    """A unique axis label of two lines: what was asked, then the time and the id's first characters."""
+    return f"{asked(record)}<br>{dt.datetime.fromtimestamp(record.submitted_at):%H:%M:%S} {record.id[:6]}"
+
+
+def label_line(record: RequestMetrics) -> str:
+    """The label on one line, for a list to choose from."""
+    return label(record).replace("<br>", " · ")
 
 
 def client_stages(record: RequestMetrics) -> dict:
@@ -94,50 +123,56 @@ def token_latency_chart(record: RequestMetrics) -> go.Figure:
     return figure
 
 
-def records_frame(records: list[RequestMetrics]) -> pd.DataFrame:
+def records_frame(records: list[RequestMetrics], every_column: bool = False) -> pd.DataFrame:
+    """The requests as a table: the columns that fit the page, or `every_column` for the whole record's figures."""
     rows = []
     for r in records:
-        rows.append({
-            "time": dt.datetime.fromtimestamp(r.submitted_at), "id": r.id[:8], "status": r.status, "source": r.source,
-            "warmup": r.warmup, "dtype": r.dtype, "threads": r.threads, "synthetic": r.synthetic,
-            "vision tokens": r.vision_tokens, "prompt tokens": r.prompt_tokens, "output tokens": r.output_tokens,
-            "queue wait s": r.queue_wait_s, "TTFT s": r.ttft_s, "tok/s": r.decode_tokens_per_s, "decode GB/s": r.decode_gb_per_s,
-            "batch": (sum(r.decode_batch_sizes) / len(r.decode_batch_sizes)) if r.decode_batch_sizes else None,
-            "drafts kept": f"{r.drafts_kept}/{r.drafted_tokens}" if r.drafted_tokens else None,
-            "forced tokens": r.forced_tokens or None,
-            "paused s": r.paused_s, "total s": r.e2e_s,
-            "peak RSS GiB": r.rss_peak_bytes / GIB, "error": r.error,
-        })
+        row = {
+            "time": dt.datetime.fromtimestamp(r.submitted_at).strftime("%H:%M:%S"), "asked": asked(r),
+            "status": r.status, "source": r.source, "dtype": r.dtype, "vision tokens": r.vision_tokens,
+            "output tokens": r.output_tokens, "TTFT s": r.ttft_s, "tok/s": r.decode_tokens_per_s, "total s": r.e2e_s,
+            "peak RSS GiB": r.rss_peak_bytes / GIB,
+        }
+        if every_column:
+            row.update({
+                "id": r.id[:8], "warmup": r.warmup, "threads": r.threads, "synthetic": r.synthetic,
+                "prompt tokens": r.prompt_tokens, "queue wait s": r.queue_wait_s, "decode GB/s": r.decode_gb_per_s,
+                "batch": (sum(r.decode_batch_sizes) / len(r.decode_batch_sizes)) if r.decode_batch_sizes else None,
+                "drafts kept": f"{r.drafts_kept}/{r.drafted_tokens}" if r.drafted_tokens else None,
+                "forced tokens": r.forced_tokens or None, "paused s": r.paused_s, "error": r.error,
+            })
+        rows.append(row)
     return pd.DataFrame(rows)
 
 
-def decode_intervals(records: list[RequestMetrics]) -> list[tuple[float, float, int]]:
-    """(start, end, tokens) of each record's decode, in unix time: from its first token to its end."""
+# The page's table: two decimals where a value has them, so each column stays narrow.
+RECORDS_COLUMNS = {name: {"format": "%.2f"} for name in ("TTFT s", "tok/s", "total s", "peak RSS GiB")}
+
+
+def decode_intervals(records: list[RequestMetrics]) -> list[tuple[float, float, float]]:
+    """(start, end, tokens per second) of each record's decode, in unix time: from its first token to its end."""
     spans = []
     for r in records:
         if r.ttft_s is None or not r.output_tokens:
             continue
         start = r.submitted_at + r.ttft_s
-        spans.append((start, max(start, r.finished_at), r.output_tokens))
+        end = max(start, r.finished_at)
+        rate = r.decode_tokens_per_s or (r.output_tokens / (end - start) if end > start else 0.0)
+        spans.append((start, end, rate))
     return spans
 
 
-def concurrency_series(records: list[RequestMetrics], bins: int = 120) -> pd.DataFrame:
-    """Over the records' time span: how many answers were decoding at once, and the tokens per second they made
-    together (each record's tokens spread evenly over its decode)."""
+def concurrency_series(records: list[RequestMetrics]) -> pd.DataFrame:
+    """How many answers were decoding at once, as whole counts, and the tokens per second they made together, from
+    each moment an answer's decode began or ended to the next: a step function, not an average over bins."""
     spans = decode_intervals(records)
-    if not spans:
-        return pd.DataFrame({"time": [], "active": [], "tokens_per_s": []})
-    first, last = min(s for s, _, _ in spans), max(e for _, e, _ in spans)
-    width = max((last - first) / bins, 0.5)
-    edges = [first + i * width for i in range(int((last - first) / width) + 2)]
+    moments = sorted({moment for start, end, _ in spans for moment in (start, end)})
     active, rates = [], []
-    for left in edges:
-        right = left + width
-        overlap = [(min(e, right) - max(s, left), e - s, n) for s, e, n in spans if s < right and e > left]
-        active.append(sum(o for o, _, _ in overlap) / width)
-        rates.append(sum(n * (o / d if d > 0 else 1.0) for o, d, n in overlap) / width)
-    return pd.DataFrame({"time": [dt.datetime.fromtimestamp(t) for t in edges], "active": active,
+    for moment in moments:
+        running = [rate for start, end, rate in spans if start <= moment < end]
+        active.append(len(running))
+        rates.append(sum(running))
+    return pd.DataFrame({"time": [dt.datetime.fromtimestamp(t) for t in moments], "active": active,
                          "tokens_per_s": rates})
 
 
@@ -148,8 +183,9 @@ def concurrency_chart(records: list[RequestMetrics]) -> go.Figure:
     figure.add_scatter(name="answers decoding at once", x=series["time"], y=series["active"], mode="lines",
                        line=dict(shape="hv", color="#4e79a7"), secondary_y=False)
     figure.add_scatter(name="tokens/s, all answers", x=series["time"], y=series["tokens_per_s"], mode="lines",
-                       line=dict(color="#f28e2b"), secondary_y=True)
-    figure.update_yaxes(title_text="answers at once", secondary_y=False, rangemode="tozero")
+                       line=dict(shape="hv", color="#f28e2b"), secondary_y=True)
+    figure.update_yaxes(title_text="answers at once", secondary_y=False, rangemode="tozero", dtick=1,
+                        tickformat="d")
     figure.update_yaxes(title_text="tokens/s", secondary_y=True, rangemode="tozero")
     figure.update_layout(margin=dict(t=30, b=10), height=320)
     return figure

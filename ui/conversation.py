@@ -92,6 +92,20 @@ def build_request(turns: list[ChatTurn], prompt: str, images: list[tuple[str, by
                        enhance_for_ocr=enhance_for_ocr, source="app", json_schema=json_schema)
 
 
+def _kind(data) -> str:
+    return "PDF" if isinstance(data, Document) else "clip" if isinstance(data, Clip) else "picture"
+
+
+def attached_words(current: list[tuple[str, object]], turns: list[ChatTurn]) -> str:
+    """The chat box's placeholder: what the next question is about (the picked picture, PDF pages or clip)."""
+    if not current:
+        earlier = any(turn.images for turn in turns if turn.role == "user")
+        return "Ask a follow-up" if earlier else "Ask anything (nothing attached)"
+    first_name, first = current[0]
+    more = f" and {len(current) - 1} more" if len(current) > 1 else ""
+    return f"Ask about the {_kind(first)} {first_name}{more}"
+
+
 def parsed_json(text: str):
     """A complete JSON answer as Python values for st.json; None when it is not one (cut short or stopped)."""
     try:

@@ -30,7 +30,7 @@ def _thumbnail(data: bytes, name: str, number: int, config: EngineConfig) -> tup
         picture = to_rgb(page.render())
     except (InvalidImage, PromptTooLong):
         return None, 0
-    return png_thumbnail(picture, 280), page_tokens(page.size, config) - 2
+    return png_thumbnail(picture, 560), page_tokens(page.size, config) - 2
 
 
 def png_thumbnail(picture, side: int) -> bytes:
@@ -53,9 +53,10 @@ def preview(document: Document, config: EngineConfig) -> bytes | None:
     return _thumbnail(document.data, document.name, (document.pages or (1,))[0], config)[0]
 
 
-def page_picker(column, name: str, data: bytes, config: EngineConfig) -> Document | None:
+def page_picker(column, name: str, data: bytes, config: EngineConfig) -> tuple[Document, int] | None:
     """Which pages of the document go with the question: a range, by default the first that fit; shows each chosen
-    page with its vision tokens. None (with the reason shown) when the document or the range is refused."""
+    page with its vision tokens. The document and those tokens, or None (with the reason shown) when the document
+    or the range is refused."""
     facts = _facts(data, name, config)
     if isinstance(facts, str):
         column.error(f"Not used: {facts}", icon=":material/broken_image:")
@@ -73,10 +74,11 @@ def page_picker(column, name: str, data: bytes, config: EngineConfig) -> Documen
         column.error(exc.message, icon=":material/description:")
         return None
     shown = [_thumbnail(data, name, page.number, config) for page in pages]
-    column.caption(f"{name}: pages {pages[0].number}-{pages[-1].number} of {count}, "
-                   f"{sum(tokens for _, tokens in shown):,} vision tokens")
-    cells = column.columns(min(len(pages), 4))
+    total = sum(tokens for _, tokens in shown)
+    column.caption(f"{name}: pages {pages[0].number}-{pages[-1].number} of {count}, {total:,} vision tokens")
+    # Two pages a row at most: a page's text stays readable in its thumbnail.
+    cells = column.columns(min(len(pages), 2))
     for index, (page, (picture, tokens)) in enumerate(zip(pages, shown)):
         if picture is not None:
             cells[index % len(cells)].image(picture, caption=f"p. {page.number} · {tokens:,} tokens")
-    return document
+    return document, total

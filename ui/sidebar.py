@@ -27,10 +27,8 @@ def render_status(loaded: LoadedEngine | None) -> None:
         if info.synthetic:
             st.warning("Synthetic weights: answers are noise, latency and memory are real.",
                        icon=":material/science:")
-        if loaded.fallback_reason:
             with st.expander("Why, and how to load the real model"):
-                st.caption(f"The configured model {engine.config.model!r} could not be loaded, so the synthetic "
-                           f"skeleton stands in. {loaded.fallback_reason}")
+                st.caption(what_is_loaded(loaded))
         st.markdown(f"**Model** `{info.model}`")
         # The precision gets the sidebar's width: "bfloat16" does not fit in half of it.
         st.metric("precision", info.dtype, help=f"Weights in {info.dtype}; activations, attention and the KV cache "
@@ -48,6 +46,21 @@ def render_status(loaded: LoadedEngine | None) -> None:
                     st.caption(f":material/info: {note}")
         if engine.store.last_error:
             st.error(f"Metrics are not being saved: {engine.store.last_error}")
+
+
+def what_is_loaded(loaded: LoadedEngine) -> str:
+    """One honest sentence of which model answers and why, and how to load the real weights from the page."""
+    info = loaded.engine.info
+    if not info.synthetic:
+        return f"The model's own weights, from `{info.model}`."
+    how = ("To load the real weights, put Qwen3-VL-2B-Instruct's files in a folder on this server and enter that "
+           "folder as the Model on the Settings page.")
+    if loaded.fallback_reason:
+        return (f"The bundled skeleton answers (the real architecture, tokenizer and chat template, synthetic "
+                f"weights): the configured model `{loaded.configured_model}` could not be loaded, as "
+                f"{loaded.fallback_reason}. {how}")
+    return (f"`{info.model}` has the real architecture, tokenizer and chat template but no weights, so they are "
+            f"synthetic. {how}")
 
 
 def decode_line(decode: str, latest: list) -> str:

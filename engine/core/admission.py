@@ -144,6 +144,7 @@ class Admission:
         done = self.encoding.run(ADMISSION_PIECE_SECONDS)
         # Timed piece by piece: the steps between them are other requests' time.
         trace.add(VISION_ENCODE, time.perf_counter() - started)
+        trace.progress(VISION_ENCODE, self.encoding.next_block, self.encoding.blocks, "blocks")
         return self._prefill if done else self._encode  # encoding done: another step before the prefill
 
     def _prefill(self, running):
@@ -162,7 +163,8 @@ class Admission:
             # last one's rate; alone it goes in one (chunks cost a lone request time: docs/decisions.md).
             self.chunked = bool(running)
         started = time.perf_counter()
-        done = self.prefill.run(self.chunk if self.chunked else None)
+        done = self.prefill.run(self.chunk if self.chunked else None,
+                                lambda tokens, total: trace.progress(PREFILL, tokens, total, "prompt tokens"))
         took = time.perf_counter() - started
         if not done:
             trace.add(PREFILL, took)

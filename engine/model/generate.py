@@ -8,6 +8,7 @@ Qwen3-VL's rotary positions have four rows: the plain text position, then the 3D
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -58,6 +59,7 @@ class VisionEncoding:
         self.hidden = hidden.reshape(hidden.shape[0], -1)
         self.deepstack: list[torch.Tensor] = []
         self.next_block = 0
+        self.blocks = len(visual.blocks)
         self.result = None
         self._carried = time.perf_counter() - set_up  # the set-up's time counts toward the first piece
 
@@ -143,6 +145,24 @@ def vision_slice(vision, first: int, count: int):
                                                 deepstack_features=[(feature,) for feature in deepstack])
 
 
+@contextmanager
+def layer_progress(model, progress, before: int, tokens: int, total: int):
+    """While a chunk of `tokens` prompt tokens runs after `before` others: `progress(done, total)` after each decoder
+    layer (a hook for the chunk alone, so other forwards pay nothing)."""
+    if progress is None:
+        yield
+        return
+    layers = model.model.language_model.layers
+    hooks = [layer.register_forward_hook(
+        lambda module, args, output, index=index: progress(before + tokens * (index + 1) // len(layers), total))
+        for index, layer in enumerate(layers)]
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
 class ChunkedPrefill:
     """prefill, resumable between chunks: with a KV cache, `run(tokens)` prefills the next `tokens` of the prompt
     (all that is left if None), each chunk's vision tokens with their slice of the encoder outputs, and returns True
@@ -162,7 +182,9 @@ class ChunkedPrefill:
         self.logits: torch.Tensor | None = None
         self.state: DecodeState | None = None
 
-    def run(self, tokens: int | None) -> bool:
+    def run(self, tokens: int | None, progress=None) -> bool:
+        """`progress(done, total)`, if given, hears after each decoder layer how many of the prompt's tokens from
+        `start` are prefilled, a chunk's tokens counting layer by layer."""
         prompt, vision = self.prompt, self.vision
         first = self.first
         last = self.total if tokens is None or not self.use_cache else min(first + max(1, tokens), self.total)
@@ -172,15 +194,16 @@ class ChunkedPrefill:
             count = int((input_ids == self.model.config.image_token_id).sum())
             outputs = vision_slice(vision, self.placed, count) if count else None
             self.placed += count
-        hidden = run_language_model(
-            self.model,
-            input_ids=input_ids,
-            position_ids=self.positions[:, :, first:last],
-            cache=self.cache,
-            use_cache=self.use_cache,
-            mm_token_type_ids=self.types[:, first:last],
-            mm_encoder_outputs={"image": outputs} if outputs is not None else None,
-        )
+        with layer_progress(self.model, progress, first - self.start, last - first, self.total - self.start):
+            hidden = run_language_model(
+                self.model,
+                input_ids=input_ids,
+                position_ids=self.positions[:, :, first:last],
+                cache=self.cache,
+                use_cache=self.use_cache,
+                mm_token_type_ids=self.types[:, first:last],
+                mm_encoder_outputs={"image": outputs} if outputs is not None else None,
+            )
         self.first = last
         if last < self.total:
             return False

@@ -178,7 +178,8 @@ def _unavailable(model: str, cause: BaseException) -> ModelUnavailable:
         "Its weights are not on this machine and the model hub could not be reached. Either pass a local folder "
         "that holds the weights (--model /path/to/Qwen3-VL-2B-Instruct, or VLSCOPE_MODEL), set HF_HUB_OFFLINE=1 "
         "if the model is already in the Hugging Face cache, or use the synthetic skeleton "
-        "(--model models/qwen3-vl-2b-skeleton) to measure cost with random weights."
+        "(--model models/qwen3-vl-2b-skeleton) to measure cost with random weights.",
+        cause=f"its weights are not on this machine and the model hub could not be reached ({reason})",
     )
 
 

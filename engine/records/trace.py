@@ -23,7 +23,7 @@ from ..inputs.documents import RenderClock
 from ..inputs.limits import fit_to_budget, vision_token_count
 from .metrics import RequestMetrics, current_rss
 from .stages import DECODE, LOAD_IMAGES, REFUSED, RENDER_PAGES, RUNNING
-from ..request import StageStarted
+from ..request import StageProgress, StageStarted
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +93,9 @@ class RequestTrace:
 
     def announce(self, name: str) -> None:
         self.state.events.put(StageStarted(name))
+
+    def progress(self, name: str, done: int, total: int, unit: str) -> None:
+        self.state.events.put(StageProgress(name, done, total, unit))
 
     def add(self, name: str, seconds: float) -> None:
         self.seconds[name] = self.seconds.get(name, 0.0) + seconds
