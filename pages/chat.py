@@ -47,7 +47,7 @@ def thumbnail(data: bytes, max_pixels: int, max_bytes: int, name: str = "image")
 def picture_tokens(data: bytes, max_pixels: int, max_bytes: int, config) -> int:
     """The vision tokens a picture costs at the loaded budget, from its header alone."""
     try:
-        return page_tokens(read_header(data, max_pixels=max_pixels, max_bytes=max_bytes).size, config)
+        return page_tokens(read_header(data, max_pixels=max_pixels, max_bytes=max_bytes).size, config) - 2
     except InvalidImage:
         return 0
 
@@ -104,30 +104,30 @@ if any(is_clip(name) or name == SAMPLE_CLIP for name, _ in picked):
                                             value=engine.config.video_fps if engine.config.video_fps in
                                             (0.5, 1.0, 2.0, 4.0) else 2.0, key="video_fps")
 current = []
-vision_tokens = 0  # what the picked pictures, pages and clips cost, for the estimate before sending
+pieces: list[int] = []  # the vision tokens of each picked picture, page and pair of frames: the estimate's input
 for name, data in picked:
     if is_clip(name) or name == SAMPLE_CLIP:
         strip = clip_strip(upload_column, name, data, video_fps, engine.config)
         if strip is not None:
             current.append((name, strip[0]))
-            vision_tokens += strip[1]
+            pieces += strip[1]
         continue
     if document_of(data, engine.config.max_image_bytes):
         picked_pages = page_picker(upload_column, name, data, engine.config)
         if picked_pages is not None:
             document, tokens = picked_pages
+            pieces += tokens
             pages = document.pages
             current.append((f"{name}, page{'s' if len(pages) > 1 else ''} {pages[0]}"
                             + (f"-{pages[-1]}" if len(pages) > 1 else ""), document))
-            vision_tokens += tokens
         continue
     image, problem = thumbnail(data, engine.config.max_image_pixels, engine.config.max_image_bytes, name)
     if problem:
         upload_column.error(f"Not used: {problem}", icon=":material/broken_image:")
     else:
         current.append((name, data))
-        vision_tokens += picture_tokens(data, engine.config.max_image_pixels, engine.config.max_image_bytes,
-                                        engine.config)
+        pieces.append(picture_tokens(data, engine.config.max_image_pixels, engine.config.max_image_bytes,
+                                     engine.config))
         sample_column.image(image, width=120, caption=name)
 if enhance and any(isinstance(data, bytes) for _, data in current):
     with st.expander("What the model sees with Enhance for OCR", expanded=False):
@@ -145,7 +145,7 @@ ask_preset = actions[0].button(f"Ask: {preset}", key="ask_preset", disabled=not 
 if actions[1].button("Clear chat", key="clear_chat"):
     st.session_state["turns"] = []
     st.rerun()
-actions[2].caption(estimate_line(engine, images_to_attach(turns, current), vision_tokens),
+actions[2].caption(estimate_line(engine, pieces if images_to_attach(turns, current) else []),
                    help="Vision encode and prefill grow with the prompt's tokens, decode with the answer's: both "
                         "rates come from the benchmark on record for this CPU kind at the loaded precision, or, "
                         "without one for this model, from this server's latest answers.")
@@ -162,16 +162,40 @@ def settle_stopped(pending: list[ChatTurn]) -> bool:
     return any(not turn.stats for turn in pending)
 
 
+def unsettled(turns: list[ChatTurn]) -> list[ChatTurn]:
+    return [turn for turn in turns if turn.request_id and not turn.stats and not turn.streaming and not turn.error]
+
+
 @st.fragment(run_every=1.0)
 def finish_stopped_answers() -> None:
-    """Stop ends the script run mid-answer; this fragment, drawn before the answer streams, keeps running after it
-    and reruns the page once the stopped answer's record is written, so its mark and cost line appear at once."""
-    pending = [turn for turn in st.session_state.get("turns", []) if turn.request_id and not turn.stats]
-    if pending and not settle_stopped(pending):
+    """A stopped answer's record is written by the engine's worker after the stop; this fragment keeps running after
+    the script run and reruns the page once it is, so the answer's cost line appears at once."""
+    pending = unsettled(st.session_state.get("turns", []))
+    # Never while an answer streams: the rerun would end it. Its run redraws the page when it ends.
+    if pending and not settle_stopped(pending) and not in_flight():
         st.rerun(scope="app")
 
 
-settle_stopped([turn for turn in turns if turn.request_id and not turn.stats])
+def in_flight() -> dict:
+    """The answer streaming now: {"handle": its RequestHandle}, else empty. Changed in place through a reference taken
+    before the answer starts: a stopped run's `finally` cannot reach session state itself."""
+    return st.session_state.setdefault("in_flight", {})
+
+
+def stop_answer_in_flight(turns: list[ChatTurn]) -> None:
+    """Any run after an answer began ends it: Stop, or any other click while it streams. The run that wrote it may
+    still be waiting for the engine's next event, so this run cancels the request and marks the answer itself."""
+    handle = in_flight().pop("handle", None)
+    if handle is not None:
+        handle.cancel()
+    for turn in turns:
+        if turn.streaming:
+            turn.streaming, turn.stopped = False, not turn.stats and not turn.error
+
+
+stop_answer_in_flight(turns)
+if unsettled(turns) and settle_stopped(unsettled(turns)):
+    finish_stopped_answers()
 for turn in turns:
     with st.chat_message(turn.role):
         for name, data in turn.images:
@@ -181,7 +205,7 @@ for turn in turns:
         elif turn.as_json and parsed_json(turn.text) is not None:
             st.json(parsed_json(turn.text))
         else:
-            st.markdown(inert_markdown(turn.text))
+            st.markdown(inert_markdown(turn.text) + (" _(stopped)_" if turn.stopped else ""))
         if turn.stats:
             st.caption(turn.stats)
 
@@ -199,8 +223,9 @@ def progress_text(event: StageProgress, started: float) -> str:
     return line
 
 
-def stream_text(handle, status, partial: list, result: dict):
-    """Engine events to text for st.write_stream. Runs in this script thread: the worker never touches st."""
+def stream_text(handle, status, answer: ChatTurn, result: dict):
+    """Engine events to text for st.write_stream, the answer's turn kept up to date as it grows. Runs in this script
+    thread: the worker never touches st."""
     stage_started: dict[str, float] = {}
     while True:
         event = handle.next_event(timeout=0.25)
@@ -216,7 +241,7 @@ def stream_text(handle, status, partial: list, result: dict):
             status.progress(min(event.done / max(event.total, 1), 1.0), text=progress_text(event, started))
         elif isinstance(event, TextChunk):
             status.empty()
-            partial.append(event.text)
+            answer.text += event.text
             yield inert_markdown(event.text)
         elif isinstance(event, RequestMetrics):
             result["metrics"] = event
@@ -234,22 +259,24 @@ if prompt:
             st.image(preview(data), caption=name, width=280)
         st.markdown(prompt)
     with st.chat_message("assistant"):
-        # Every answer stops the same way, asked by the chat box or by a preset: pressing Stop reruns the page, which
-        # ends this run; `finally` below cancels the request and keeps what was written.
+        # Every answer stops the same way, asked by the chat box or by a preset: Stop reruns the page, and that run
+        # cancels the request and keeps what was written (stop_answer_in_flight).
         stop = st.empty()
-        stop.button("Stop", key="stop_answer", icon=":material/stop_circle:")
+        stop.button("Stop this answer", key="stop_answer", icon=":material/stop_circle:")
         status = st.empty()
-        partial: list[str] = []
         result: dict = {}
-        answer = ChatTurn("assistant", "", as_json=json_schema is not None)
+        answer = ChatTurn("assistant", "", as_json=json_schema is not None, streaming=True)
+        turns.append(answer)  # from now on: a later run sees the answer, however this one ends
+        flight = in_flight()
         handle = None
         try:
             handle = engine.submit(request)
-            st.write_stream(stream_text(handle, status, partial, result))
+            answer.request_id = handle.id
+            flight["handle"] = handle
+            with st.container(key="streaming_answer"):  # what a browser test watches grow
+                st.write_stream(stream_text(handle, status, answer, result))
             stop.empty()
-            metrics = result["metrics"]
-            answer.text = "".join(partial)
-            answer.stats = stats_line(metrics)
+            answer.stats = stats_line(result["metrics"])
             if answer.as_json and parsed_json(answer.text) is not None:
                 st.json(parsed_json(answer.text))
             st.caption(answer.stats)
@@ -269,10 +296,10 @@ if prompt:
             # Also runs when the user stops the run or reruns: the engine stops, the partial answer is kept.
             if handle is not None:
                 handle.cancel()
-            if not answer.text and not answer.error:
-                answer.text = "".join(partial) + " _(stopped)_"
-                answer.request_id = handle.id if handle is not None else None
-            turns.append(answer)
+            if answer.streaming:
+                answer.streaming, answer.stopped = False, not answer.stats and not answer.error
+            if flight.get("handle") is handle:
+                flight.clear()
     # A finished answer is drawn again by a run without the question, which also drops the fragment: its timer, which
     # ticked while the answer streamed, would otherwise hold the chat box in its running state (no next question).
     st.rerun()

@@ -49,6 +49,10 @@ def test_sample_image_question_streams_an_answer_with_stats(app_env):
     at = start()
     assert "Synthetic weights" not in " ".join(w.value for w in at.sidebar.warning)  # the tiny model has weights
     at.selectbox(key="sample_image").set_value("page.png").run()
+    # before sending: the seconds it will take, from this server's answers (the tiny model has no record)
+    (estimate,) = [c.value for c in at.caption if c.value.startswith("Next question:")]
+    assert "s to the first word" in estimate and "this server's last answers" in estimate
+    assert at.chat_input(key="chat_prompt").proto.placeholder == "Ask about the picture page.png"
     ask(at, "Read the text")
     (answer,) = assistant_messages(at)
     assert answer.markdown[0].value.strip()
@@ -314,10 +318,11 @@ def test_a_stopped_answer_keeps_its_stats_line(app_env):
     handle.cancel()  # what the page's finally does when the user stops the run
     list(events)
     at.session_state["turns"] = [ChatTurn("user", "Write a long story"),
-                                 ChatTurn("assistant", partial + " _(stopped)_", request_id=handle.id)]
+                                 ChatTurn("assistant", partial, request_id=handle.id, stopped=True)]
     at.run()
     assert not at.exception
     (answer,) = assistant_messages(at)
+    assert answer.markdown[0].value.endswith("_(stopped)_")
     stats = answer.caption[0].value
     assert "TTFT" in stats and "total" in stats and stats.endswith("cancelled")
 

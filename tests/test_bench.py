@@ -409,3 +409,23 @@ def test_the_settings_line_says_what_a_precision_costs_and_what_it_was_measured_
     assert agreement_line(document, "float32").startswith("float32 is the reference")
     del document["drift_vs_float32"]["int4"]
     assert "python -m bench --quick --record" in agreement_line(document) and "python -m bench" in agreement_line(None)
+
+
+def test_the_estimate_before_sending_gives_back_what_it_was_measured_on_and_grows_faster_than_the_prompt():
+    from transformers import AutoConfig
+
+    from engine.config import SKELETON_DIR
+    from speed.estimate import from_record
+
+    config = AutoConfig.from_pretrained(SKELETON_DIR)
+    record = json.loads(next(ROOT.glob("docs/bench/*/bench.json")).read_text())
+    case = next(c for c in record["cases"] if c["case"]["name"] == "tuned int8")
+    summary, weights = case["summary"], case["runs"][0]["weight_bytes"]
+    rates = from_record(record, "int8", weights, config)
+    measured = summary["stages"]["vision_encode"]["median"] + summary["stages"]["prefill"]["median"]
+    picture, prompt = summary["vision_tokens"], summary["prompt_tokens"]
+    assert rates.first_token_s([picture], prompt, config) == pytest.approx(measured)
+    assert rates.answer_s(32) == pytest.approx(32 / summary["decode_tokens_per_s"]["median"])
+    # a picture of four times the tokens costs more than four times the seconds: attention grows with the square
+    assert rates.first_token_s([4 * picture], 4 * prompt, config) > 4 * measured
+    assert from_record(record, "int8", weights // 4, config) is None  # measured on a model of another size

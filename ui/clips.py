@@ -34,9 +34,9 @@ def is_clip(name: str) -> bool:
 
 
 @st.cache_data(max_entries=16, show_spinner="Sampling the clip's frames…")
-def _strip(data: bytes, name: str, fps: float, config: EngineConfig) -> tuple[list, str, int] | str:
+def _strip(data: bytes, name: str, fps: float, config: EngineConfig) -> tuple[list, str, list[int]] | str:
     """The frames a question at `fps` reads, as (PNG thumbnail, time) pairs spread over the clip, a line of what
-    they cost and their vision tokens; or the reason the clip is refused."""
+    they cost and the vision tokens of each pair of frames; or the reason the clip is refused."""
     try:
         header = read_clip_header(data, config, name)
         plan = plan_frames(header, fps, config.video_max_tokens)
@@ -49,12 +49,13 @@ def _strip(data: bytes, name: str, fps: float, config: EngineConfig) -> tuple[li
     width, height = plan.size
     cost = (f"{name}: {header.duration_s:.1f} s at {fps:g} frames a second: {len(plan.frame_times)} frames in "
             f"{len(plan.patch_times)} pairs of {width}x{height}, {plan.tokens:,} vision tokens")
-    return shown, cost, plan.tokens
+    pairs = len(plan.patch_times)
+    return shown, cost, [plan.tokens // pairs] * pairs
 
 
-def clip_strip(column, name: str, data: bytes, fps: float, config: EngineConfig) -> tuple[Clip, int] | None:
-    """Shows the clip's sampled frames with their times and its cost; the Clip to send and its vision tokens, or
-    None (with the reason shown) when it is refused."""
+def clip_strip(column, name: str, data: bytes, fps: float, config: EngineConfig) -> tuple[Clip, list[int]] | None:
+    """Shows the clip's sampled frames with their times and its cost; the Clip to send and the vision tokens of each
+    pair of frames, or None (with the reason shown) when it is refused."""
     strip = _strip(data, name, fps, config)
     if isinstance(strip, str):
         column.error(f"Not used: {strip}", icon=":material/videocam_off:")

@@ -51,8 +51,14 @@ class ChatTurn:
     images: list[tuple[str, bytes | Document | Clip]] = field(default_factory=list)
     stats: str | None = None
     error: bool = False
-    request_id: str | None = None  # a stopped answer's request: its stats line comes from its record once written
+    request_id: str | None = None  # an answer's request: a stopped one's stats line comes from its record once written
     as_json: bool = False  # asked for as JSON: shown as a JSON tree when it is complete
+    streaming: bool = False  # an answer a script run is still writing
+    stopped: bool = False  # an answer stopped before its end: its text so far, marked
+
+    @property
+    def shown_text(self) -> str:
+        return self.text + (" _(stopped)_" if self.stopped else "")
 
 
 def _identity(data: bytes | Document | Clip) -> bytes:
@@ -149,7 +155,7 @@ def transcript(turns: list[ChatTurn]) -> str:
     for turn in turns:
         lines.append(f"**{turn.role}**" + (f" (images: {', '.join(name for name, _ in turn.images)})" if turn.images else ""))
         lines.append("")
-        lines.append(turn.text)
+        lines.append(turn.shown_text)
         if turn.stats:
             lines += ["", f"_{turn.stats}_"]
         lines.append("")

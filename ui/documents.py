@@ -53,10 +53,10 @@ def preview(document: Document, config: EngineConfig) -> bytes | None:
     return _thumbnail(document.data, document.name, (document.pages or (1,))[0], config)[0]
 
 
-def page_picker(column, name: str, data: bytes, config: EngineConfig) -> tuple[Document, int] | None:
+def page_picker(column, name: str, data: bytes, config: EngineConfig) -> tuple[Document, list[int]] | None:
     """Which pages of the document go with the question: a range, by default the first that fit; shows each chosen
-    page with its vision tokens. The document and those tokens, or None (with the reason shown) when the document
-    or the range is refused."""
+    page with its vision tokens. The document and each page's tokens, or None (with the reason shown) when the
+    document or the range is refused."""
     facts = _facts(data, name, config)
     if isinstance(facts, str):
         column.error(f"Not used: {facts}", icon=":material/broken_image:")
@@ -81,4 +81,4 @@ def page_picker(column, name: str, data: bytes, config: EngineConfig) -> tuple[D
     for index, (page, (picture, tokens)) in enumerate(zip(pages, shown)):
         if picture is not None:
             cells[index % len(cells)].image(picture, caption=f"p. {page.number} · {tokens:,} tokens")
-    return document, total
+    return document, [tokens for _, tokens in shown]

@@ -24,18 +24,23 @@ def _record() -> dict | None:
         return None
 
 
-def estimate_line(engine, attach: list, vision_tokens: int) -> str:
+def estimate_line(engine, pieces: list[int]) -> str:
     """About how long the next question takes to its first word and to the end of the longest answer, at the loaded
-    precision; the vision tokens count only when the pictures go with it (a follow-up reuses them)."""
+    precision. `pieces`: the vision tokens of each picture, page or pair of frames going with it (none for a
+    follow-up, whose pictures are in the conversation already)."""
     info = engine.info
-    rates = from_record(_record(), info.dtype, info.weight_bytes) or from_answers(
-        engine.store.recent(OWN_RECORDS_READ), info.model, info.dtype)
-    tokens = (vision_tokens if attach else 0) + TEXT_TOKENS
+    tokens = sum(pieces) + TEXT_TOKENS
     answer = default_answer_tokens(engine.config, info.synthetic)
     capped = " (synthetic weights: answers stop there by default)" if answer < engine.config.max_new_tokens else ""
+    loaded = getattr(engine, "loaded", None)  # a remote engine has no model here to count the work of
+    rates = None
+    if loaded is not None:
+        model_config = loaded.model.config
+        rates = from_record(_record(), info.dtype, info.weight_bytes, model_config) or from_answers(
+            engine.store.recent(OWN_RECORDS_READ), info.model, info.dtype, model_config)
     if rates is None:
         return f"Next question: about {tokens:,} prompt tokens, an answer of up to {answer} tokens{capped}."
-    first = rates.first_token_s(tokens)
+    first = rates.first_token_s(pieces, tokens, loaded.model.config)
     return (f"Next question: about {tokens:,} prompt tokens, ~{_seconds(first)} to the first word, "
             f"~{_seconds(first + rates.answer_s(answer))} for an answer of {answer} tokens{capped} "
             f"({rates.source}).")
