@@ -1,8 +1,9 @@
-"""`python -m bench.screenshots`: the README's pictures, made anew from the app as a user sees it on the default
-settings: `streamlit run` on the full-size model (the bundled skeleton unless --model says otherwise), a scan
-uploaded and read on the Chat page, then the Profiling and Benchmark pages, in headless Chromium at 1400x1000.
+"""`python -m bench.screenshots`: the docs' pictures, made anew from the app as a user sees it on the default
+settings: `streamlit run` on the full-size model (the bundled skeleton unless --model says otherwise), its first
+load, a scan uploaded and read on the Chat page, the Profiling and Benchmark pages, then the demo (a PDF's estimate
+before sending, a preset answer stopped, the sweep beside the record), in headless Chromium at 1400x1000.
 
-    python -m bench.screenshots                       # docs/chat.png, docs/profiling.png, docs/benchmark.png
+    python -m bench.screenshots                       # docs/first-load.png, docs/chat.png, ... into docs/
     python -m bench.screenshots --dtype int8 --out /tmp/shots
 """
 from __future__ import annotations
@@ -18,11 +19,7 @@ import urllib.request
 from pathlib import Path
 
 from engine.config import PROJECT_DIR, SKELETON_DIR
-from fixtures.places import chromium_binary
-
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync"]
-VIEWPORT = {"width": 1400, "height": 1000}
+from fixtures import demo
 
 
 def _free_port() -> int:
@@ -31,18 +28,18 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _ready(url: str, seconds: float) -> None:
-    """Waits until the API says the model is loaded (a full-size model takes a minute or more)."""
+def _up(url: str, seconds: float) -> None:
+    """Waits until the server answers at all, so the first page drawn is the model's load."""
     deadline = time.time() + seconds
     while time.time() < deadline:
         try:
-            with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
+            with urllib.request.urlopen(f"{url}/_stcore/health", timeout=5) as response:
                 if response.status == 200:
                     return
         except OSError:
             pass
-        time.sleep(1)
-    raise RuntimeError(f"the app did not load its model within {seconds:.0f} s")
+        time.sleep(0.5)
+    raise RuntimeError(f"the app did not start within {seconds:.0f} s")
 
 
 def take(model: str, dtype: str, out: Path, max_new_tokens: int, report=print) -> list[Path]:
@@ -51,6 +48,8 @@ def take(model: str, dtype: str, out: Path, max_new_tokens: int, report=print) -
     out.mkdir(parents=True, exist_ok=True)
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
+    shots = [out / name for name in ("first-load.png", "chat.png", "profiling.png", "benchmark.png",
+                                     "pdf-estimate.png", "stopped-preset.png", "benchmark-sweep.png")]
     with tempfile.TemporaryDirectory() as folder:
         env = dict(os.environ, VLSCOPE_MODEL=model, VLSCOPE_DTYPE=dtype, VLSCOPE_DB=str(Path(folder) / "shots.db"),
                    VLSCOPE_MAX_NEW_TOKENS=str(max_new_tokens))
@@ -59,13 +58,11 @@ def take(model: str, dtype: str, out: Path, max_new_tokens: int, report=print) -
                                   cwd=PROJECT_DIR, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             report(f"loading {model} ({dtype}) at {url}")
-            _ready(url, 600)
+            _up(url, 120)
             with sync_playwright() as playwright:
-                browser = playwright.chromium.launch(executable_path=chromium_binary(), headless=True,
-                                                     args=CHROMIUM_ARGS)
-                page = browser.new_page(viewport=VIEWPORT)
-                page.goto(url, wait_until="domcontentloaded")
-                expect(page.get_by_role("heading", name="Chat")).to_be_visible(timeout=120_000)
+                browser = demo.launch(playwright)
+                page = browser.new_page(viewport=demo.VIEWPORT)
+                demo.first_load(page, expect, url, shots[0])
                 page.locator('[data-testid="stFileUploaderDropzoneInput"]').set_input_files(
                     str(PROJECT_DIR / "samples" / "page.png"))
                 expect(page.get_by_test_id("stImage").first).to_be_visible(timeout=60_000)
@@ -76,15 +73,21 @@ def take(model: str, dtype: str, out: Path, max_new_tokens: int, report=print) -
                 report("asked; waiting for the answer and its cost line")
                 answer = page.get_by_test_id("stChatMessage").nth(1)
                 expect(answer.get_by_text("TTFT")).to_be_visible(timeout=600_000)
-                shots = [out / "chat.png", out / "profiling.png", out / "benchmark.png"]
-                page.screenshot(path=str(shots[0]))
+                page.screenshot(path=str(shots[1]))
                 page.get_by_role("link", name="Profiling").click()
                 expect(page.locator(".js-plotly-plot").first).to_be_visible(timeout=60_000)
-                page.screenshot(path=str(shots[1]))
+                page.screenshot(path=str(shots[2]))
                 page.get_by_role("link", name="Benchmark").click()
                 expect(page.get_by_role("heading", name="Benchmark", exact=True)).to_be_visible(timeout=60_000)
                 expect(page.locator(".js-plotly-plot").first).to_be_visible(timeout=60_000)
-                page.screenshot(path=str(shots[2]))
+                page.screenshot(path=str(shots[3]))
+                report("the demo: a PDF's estimate, a preset answer stopped, the sweep beside the record")
+                page.get_by_role("link", name="Chat").click()
+                page.get_by_role("button", name="Clear chat").click()
+                page.locator('[data-testid="stFileUploaderDeleteBtn"]').first.click()
+                demo.estimate_for_a_pdf(page, expect, demo.scan_pdf(Path(folder)), shots[4])
+                demo.stop_a_preset_answer(page, expect, shots[5])
+                demo.sweep_beside_the_record(page, expect, shots[6])
                 browser.close()
         finally:
             server.terminate()
