@@ -82,9 +82,9 @@ def take(model: str, dtype: str, out: Path, max_new_tokens: int, report=print) -
                 expect(page.locator(".js-plotly-plot").first).to_be_visible(timeout=60_000)
                 page.screenshot(path=str(shots[3]))
                 report("the demo: a PDF's estimate, a preset answer stopped, the sweep beside the record")
-                page.get_by_role("link", name="Chat").click()
-                page.get_by_role("button", name="Clear chat").click()
-                page.locator('[data-testid="stFileUploaderDeleteBtn"]').first.click()
+                page = browser.new_context(viewport=demo.VIEWPORT).new_page()  # a new session: nothing attached
+                page.goto(url, wait_until="domcontentloaded")
+                expect(page.get_by_role("heading", name="Chat")).to_be_visible(timeout=120_000)
                 demo.estimate_for_a_pdf(page, expect, demo.scan_pdf(Path(folder)), shots[4])
                 demo.stop_a_preset_answer(page, expect, shots[5])
                 demo.sweep_beside_the_record(page, expect, shots[6])

@@ -53,9 +53,9 @@ with left:
     if rows:
         st.dataframe([{k: v for k, v in row.items() if k != "same model"} for row in rows], hide_index=True,
                      key="sweep_against_record",
-                     column_config={name: st.column_config.NumberColumn(format="%.2f") for name in rows[0]
-                                    if name not in ("case", "same model")})
-        st.caption("now / record: first token below 1 and decode above 1 are faster now."
+                     column_config={name: st.column_config.NumberColumn(format="%.2fx")
+                                    for name in ("TTFT ratio", "decode ratio")})
+        st.caption("Ratio now / record: first token below 1x and decode above 1x are faster now."
                    + ("" if all(row["same model"] for row in rows) else
                       " The loaded model is not the one on record (its weights differ in size): the ratios "
                       "compare two models.")

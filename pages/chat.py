@@ -103,6 +103,7 @@ if any(is_clip(name) or name == SAMPLE_CLIP for name, _ in picked):
     video_fps = option_column.select_slider("Clip: frames a second", [0.5, 1.0, 2.0, 4.0],
                                             value=engine.config.video_fps if engine.config.video_fps in
                                             (0.5, 1.0, 2.0, 4.0) else 2.0, key="video_fps")
+gallery = st.container()  # a document's pages, as wide as the page
 current = []
 pieces: list[int] = []  # the vision tokens of each picked picture, page and pair of frames: the estimate's input
 for name, data in picked:
@@ -113,7 +114,7 @@ for name, data in picked:
             pieces += strip[1]
         continue
     if document_of(data, engine.config.max_image_bytes):
-        picked_pages = page_picker(upload_column, name, data, engine.config)
+        picked_pages = page_picker(upload_column, gallery, name, data, engine.config)
         if picked_pages is not None:
             document, tokens = picked_pages
             pieces += tokens

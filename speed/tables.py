@@ -107,7 +107,7 @@ def _weights(entry: dict) -> int | None:
 
 def against_record(sweep: dict, record: dict) -> list[dict]:
     """The app's sweep beside the benchmark on record, case by case at the sweep's precision: first token and decode
-    now, on record, and now / record (first token: below 1 is faster now; decode: above 1 is faster now)."""
+    now and on record, and their ratio now / record (first token: below 1 is faster now; decode: above 1 is)."""
     by_name = {entry["case"]["name"]: entry for entry in record.get("cases", ())}
     rows = []
     for entry in sweep["cases"]:
@@ -119,10 +119,10 @@ def against_record(sweep: dict, record: dict) -> list[dict]:
         ttft, decode = _median(now, "ttft_s"), _median(now, "decode_tokens_per_s")
         ttft_then, decode_then = _median(then["summary"], "ttft_s"), _median(then["summary"], "decode_tokens_per_s")
         rows.append({"case": f"{case['name']} {case['dtype']}",
-                     "TTFT s now": ttft, "TTFT s on record": ttft_then,
-                     "TTFT now / record": ttft / ttft_then if ttft and ttft_then else None,
-                     "decode tok/s now": decode, "decode tok/s on record": decode_then,
-                     "decode now / record": decode / decode_then if decode and decode_then else None,
+                     "TTFT s, now / record": f"{ttft:.2f} / {ttft_then:.2f}" if ttft and ttft_then else None,
+                     "TTFT ratio": ttft / ttft_then if ttft and ttft_then else None,
+                     "decode tok/s, now / record": f"{decode:.1f} / {decode_then:.1f}" if decode and decode_then else None,
+                     "decode ratio": decode / decode_then if decode and decode_then else None,
                      "same model": _weights(entry) == _weights(then)})
     return rows
 

@@ -53,10 +53,13 @@ def preview(document: Document, config: EngineConfig) -> bytes | None:
     return _thumbnail(document.data, document.name, (document.pages or (1,))[0], config)[0]
 
 
-def page_picker(column, name: str, data: bytes, config: EngineConfig) -> tuple[Document, list[int]] | None:
-    """Which pages of the document go with the question: a range, by default the first that fit; shows each chosen
-    page with its vision tokens. The document and each page's tokens, or None (with the reason shown) when the
-    document or the range is refused."""
+PAGES_A_ROW = 3  # thumbnails across the page's width: a page's text stays readable
+
+
+def page_picker(column, gallery, name: str, data: bytes, config: EngineConfig) -> tuple[Document, list[int]] | None:
+    """Which pages of the document go with the question: a range, by default the first that fit, picked in `column`;
+    each chosen page with its vision tokens in `gallery`, a row as wide as the page. The document and each page's
+    tokens, or None (with the reason shown) when the document or the range is refused."""
     facts = _facts(data, name, config)
     if isinstance(facts, str):
         column.error(f"Not used: {facts}", icon=":material/broken_image:")
@@ -76,8 +79,7 @@ def page_picker(column, name: str, data: bytes, config: EngineConfig) -> tuple[D
     shown = [_thumbnail(data, name, page.number, config) for page in pages]
     total = sum(tokens for _, tokens in shown)
     column.caption(f"{name}: pages {pages[0].number}-{pages[-1].number} of {count}, {total:,} vision tokens")
-    # Two pages a row at most: a page's text stays readable in its thumbnail.
-    cells = column.columns(min(len(pages), 2))
+    cells = gallery.columns(PAGES_A_ROW)
     for index, (page, (picture, tokens)) in enumerate(zip(pages, shown)):
         if picture is not None:
             cells[index % len(cells)].image(picture, caption=f"p. {page.number} · {tokens:,} tokens")
