@@ -25,5 +25,6 @@ __all__ = [
     "Answer", "Busy", "Cancelled", "ChatRequest", "DEFAULT_MODEL", "DTYPES", "Engine", "EngineConfig", "EngineInfo",
     "GenerationFailed", "InsufficientMemory", "InvalidImage", "InvalidPrompt", "InvalidSchema", "InvalidVideo", "MetricsStore", "ModelUnavailable",
     "PromptTooLong", "Queued", "RequestHandle", "RequestMetrics", "SKELETON_DIR", "ServingEngine", "STAGES", "STATUSES",
-    "StageProgress", "StageStarted", "TextChunk", "Tool", "ToolCall", "Turn", "VlscopeError", "open_store", "stage_percentiles", "to_csv",
+    "StageProgress", "StageStarted", "TextChunk", "Tool", "ToolCall", "Turn", "VlscopeError", "open_store",
+    "stage_percentiles", "to_csv",
 ]

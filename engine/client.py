@@ -133,7 +133,8 @@ class StreamingMixin:
     """stream() and ask() for any engine with submit(): the local one and the remote one alike."""
 
     def stream(self, request: ChatRequest) -> Iterator[Event]:
-        """Yield Queued, StageStarted, StageProgress and TextChunk events, then the RequestMetrics. Errors raise VlscopeError.
+        """Yield Queued, StageStarted, StageProgress and TextChunk events, then the RequestMetrics. Errors raise
+        VlscopeError.
 
         Closing the generator early (a stop button, a rerun, a dropped connection) cancels the request."""
         handle = self.submit(request)

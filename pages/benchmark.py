@@ -54,8 +54,9 @@ with left:
         st.dataframe([{k: v for k, v in row.items() if k != "same model"} for row in rows], hide_index=True,
                      key="sweep_against_record",
                      column_config={name: st.column_config.NumberColumn(format="%.2fx")
-                                    for name in ("TTFT ratio", "decode ratio")})
-        st.caption("Ratio now / record: first token below 1x and decode above 1x are faster now."
+                                    for name in ("TTFT x", "tok/s x")})
+        st.caption(f"At {sweep['cases'][0]['case']['dtype']}, now / on record, and the ratio: first token below 1x "
+                   "and decode above 1x are faster now."
                    + ("" if all(row["same model"] for row in rows) else
                       " The loaded model is not the one on record (its weights differ in size): the ratios "
                       "compare two models.")

@@ -218,7 +218,8 @@ prompt = typed if typed else (PRESETS[preset] if ask_preset else None)
 def progress_text(event: StageProgress, started: float) -> str:
     """A long stage's progress in words: pieces done of pieces, time so far and the time left at that pace."""
     elapsed = time.monotonic() - started
-    line = f"{event.name.replace('_', ' ').capitalize()}: {event.done:,} of {event.total:,} {event.unit}, {elapsed:.0f} s"
+    stage = event.name.replace("_", " ").capitalize()
+    line = f"{stage}: {event.done:,} of {event.total:,} {event.unit}, {elapsed:.0f} s"
     if 0 < event.done < event.total:
         line += f", about {elapsed * (event.total - event.done) / event.done:.0f} s left"
     return line

@@ -107,7 +107,7 @@ def _weights(entry: dict) -> int | None:
 
 def against_record(sweep: dict, record: dict) -> list[dict]:
     """The app's sweep beside the benchmark on record, case by case at the sweep's precision: first token and decode
-    now and on record, and their ratio now / record (first token: below 1 is faster now; decode: above 1 is)."""
+    as "now / on record", and each ratio now / record (first token: below 1 is faster now; decode: above 1 is)."""
     by_name = {entry["case"]["name"]: entry for entry in record.get("cases", ())}
     rows = []
     for entry in sweep["cases"]:
@@ -118,11 +118,11 @@ def against_record(sweep: dict, record: dict) -> list[dict]:
             continue
         ttft, decode = _median(now, "ttft_s"), _median(now, "decode_tokens_per_s")
         ttft_then, decode_then = _median(then["summary"], "ttft_s"), _median(then["summary"], "decode_tokens_per_s")
-        rows.append({"case": f"{case['name']} {case['dtype']}",
-                     "TTFT s, now / record": f"{ttft:.2f} / {ttft_then:.2f}" if ttft and ttft_then else None,
-                     "TTFT ratio": ttft / ttft_then if ttft and ttft_then else None,
-                     "decode tok/s, now / record": f"{decode:.1f} / {decode_then:.1f}" if decode and decode_then else None,
-                     "decode ratio": decode / decode_then if decode and decode_then else None,
+        rows.append({"case": case["name"],
+                     "TTFT s": f"{ttft:.2f} / {ttft_then:.2f}" if ttft and ttft_then else None,
+                     "TTFT x": ttft / ttft_then if ttft and ttft_then else None,
+                     "tok/s": f"{decode:.1f} / {decode_then:.1f}" if decode and decode_then else None,
+                     "tok/s x": decode / decode_then if decode and decode_then else None,
                      "same model": _weights(entry) == _weights(then)})
     return rows
 

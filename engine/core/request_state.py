@@ -39,7 +39,8 @@ class RequestState:
     def __init__(self, request: ChatRequest, info, config, store, cancelled: threading.Event | None = None):
         self.id = uuid.uuid4().hex
         self.request = request
-        self.params = SamplingParams.settle(request, config, info is not None and info.synthetic)  # settled once, here; read by everything after
+        # Settled once, here; read by everything after.
+        self.params = SamplingParams.settle(request, config, info is not None and info.synthetic)
         self.submitted_at = time.time()
         self.submitted_perf = time.perf_counter()
         self.enqueued_perf = self.submitted_perf  # set again when it enters the queue, after its images are checked
