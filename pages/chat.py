@@ -190,12 +190,12 @@ def stop_answer_in_flight(turns: list[ChatTurn]) -> None:
     if handle is not None:
         handle.cancel()
     for turn in turns:
-        if turn.streaming:
-            turn.streaming, turn.stopped = False, not turn.stats and not turn.error
+        turn.end_stream()
 
 
 stop_answer_in_flight(turns)
-if unsettled(turns) and settle_stopped(unsettled(turns)):
+waiting = unsettled(turns)
+if waiting and settle_stopped(waiting):
     finish_stopped_answers()
 for turn in turns:
     with st.chat_message(turn.role):
@@ -206,7 +206,7 @@ for turn in turns:
         elif turn.as_json and parsed_json(turn.text) is not None:
             st.json(parsed_json(turn.text))
         else:
-            st.markdown(inert_markdown(turn.text) + (" _(stopped)_" if turn.stopped else ""))
+            st.markdown(inert_markdown(turn.shown_text))
         if turn.stats:
             st.caption(turn.stats)
 
@@ -298,8 +298,7 @@ if prompt:
             # Also runs when the user stops the run or reruns: the engine stops, the partial answer is kept.
             if handle is not None:
                 handle.cancel()
-            if answer.streaming:
-                answer.streaming, answer.stopped = False, not answer.stats and not answer.error
+            answer.end_stream()
             if flight.get("handle") is handle:
                 flight.clear()
     # A finished answer is drawn again by a run without the question, which also drops the fragment: its timer, which

@@ -56,6 +56,11 @@ class ChatTurn:
     streaming: bool = False  # an answer a script run is still writing
     stopped: bool = False  # an answer stopped before its end: its text so far, marked
 
+    def end_stream(self) -> None:
+        """The run writing this answer is over: an answer with neither its cost line nor an error was stopped."""
+        if self.streaming:
+            self.streaming, self.stopped = False, not self.stats and not self.error
+
     @property
     def shown_text(self) -> str:
         return self.text + (" _(stopped)_" if self.stopped else "")
