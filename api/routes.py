@@ -26,7 +26,7 @@ from engine.structured.tool_calls import CallArguments, ToolCallParser, split_ca
 from server.slot import engine_slot, ensure_loaded, get_store, server_settings, shutdown
 
 from . import prometheus, refusals
-from .body import body_limit
+from .body import read_body
 from .guard import API_PREFIXES, authorized
 from .image_fetch import ImageFetcher
 from .errors import ApiError, error_response
@@ -34,7 +34,6 @@ from .openai_format import (chunk, completion, finish_reason, logprobs_content, 
                             schema_flag, served_model_name, stream_settings, to_chat_request, usage)
 
 log = logging.getLogger(__name__)
-MAX_JSON_CONTAINERS = 200_000  # objects and arrays: above the text limit's characters plus a request's structure
 POLL_S = 0.25  # how often a waiting handler checks that its client is still there
 STARTED = int(time.time())  # the served model's `created`: when this server process started
 
@@ -109,31 +108,7 @@ def _engine_error(exc: VlscopeError) -> ApiError:
 
 
 async def _read_json(request: Request) -> dict:
-    limit = body_limit(server_settings(), engine_slot().config)
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limit:
-        raise ApiError(413, f"the request body is over the {limit // 1_000_000} MB limit", code="body_too_large")
-    body = bytearray()
-    seconds = server_settings().api_body_seconds
-    with anyio.move_on_after(seconds) as deadline:
-        async for part in request.stream():
-            body += part
-            if len(body) > limit:
-                raise ApiError(413, f"the request body is over the {limit // 1_000_000} MB limit",
-                               code="body_too_large")
-    if deadline.cancelled_caught:  # a client trickling its body holds a connection and a buffer for nothing
-        raise ApiError(408, f"the request body did not arrive within {seconds:g} s", code="body_timeout")
-    # Parsing holds the interpreter, and with it every connection, for as long as it takes: a body of millions of
-    # empty objects is refused from a count first (a byte count in C, milliseconds for the largest body).
-    containers = body.count(b"{") + body.count(b"[")
-    if containers > MAX_JSON_CONTAINERS:
-        raise ApiError(400, f"the request body holds {containers:,} JSON objects and arrays, over the "
-                            f"{MAX_JSON_CONTAINERS:,} a request can need", code="body_too_complex")
-    # Each image part names "image_url" twice; far more than the image limit allows is refused before parsing too.
-    max_images = engine_slot().config.max_images
-    if body.count(b"image_url") + body.count(b'"file"') > 4 * max_images + 64:
-        raise ApiError(400, f"the request body carries far more than the {max_images} images a request may",
-                       code="too_many_images", param="messages")
+    body = await read_body(request.headers, request.stream(), server_settings(), engine_slot().config)
     try:
         # Off the event loop: parsing a body near the limit takes long enough to stall every other connection.
         return await anyio.to_thread.run_sync(json.loads, body)
