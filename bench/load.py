@@ -112,7 +112,7 @@ def picture_url(index: int, images_dir: Path, size: int = 448) -> str:
 
 
 def stream_one(base_url: str, model: str, image_url: str, max_tokens: int, key: str, start: threading.Event,
-               result: StreamResult, answer: str = "free") -> None:
+               result: StreamResult, answer: str = "free", session: str | None = None) -> None:
     body = {"model": model, "stream": True, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream_options": {"include_usage": True},
             "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image_url}},
@@ -123,7 +123,7 @@ def stream_one(base_url: str, model: str, image_url: str, max_tokens: int, key: 
         body["response_format"] = {"type": "json_schema", "json_schema": {"name": "invoice", "schema": LONG_INVOICE}}
     elif answer == "tool call":
         body["tools"], body["tool_choice"] = [INVOICE_TOOL], "required"
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    headers = ({"Authorization": f"Bearer {key}"} if key else {}) | ({"x-session-id": session} if session else {})
     start.wait()
     began = last = time.perf_counter()
     try:
@@ -156,11 +156,14 @@ def stream_one(base_url: str, model: str, image_url: str, max_tokens: int, key: 
 
 
 def burst(base_url: str, model: str, clients: int, max_tokens: int, images_dir: Path, key: str = "",
-          answer: str = "free") -> BurstResult:
-    urls = [picture_url(index, images_dir) for index in range(clients)]
+          answer: str = "free", session: str | None = None) -> BurstResult:
+    """`clients` streams at once, each about a picture of its own; with `session`, one person's: all about the
+    first picture, under one session header."""
+    urls = [picture_url(0 if session else index, images_dir) for index in range(clients)]
     start = threading.Event()
     results = [StreamResult() for _ in range(clients)]
-    threads = [threading.Thread(target=stream_one, args=(base_url, model, url, max_tokens, key, start, result, answer))
+    threads = [threading.Thread(target=stream_one, args=(base_url, model, url, max_tokens, key, start, result, answer,
+                                                         session))
                for url, result in zip(urls, results)]
     for thread in threads:
         thread.start()

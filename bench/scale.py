@@ -36,14 +36,16 @@ REPLICA_PROCESS = "ServeReplica:vlscope:Replica"  # a replica's process title (R
 
 
 def start_cluster(replicas: int, threads: int, env: dict[str, str], log: Path, key: str = "",
-                  timeout_s: float = 900) -> tuple[subprocess.Popen, str]:
-    """`python -m scale` on a free port; waits until `replicas` replicas report ready. The URL has no /v1."""
+                  timeout_s: float = 900, flags: tuple[str, ...] = (),
+                  root: Path = PROJECT_DIR) -> tuple[subprocess.Popen, str]:
+    """`python -m scale` of the checkout at `root` (with `flags` besides) on a free port; waits until `replicas`
+    replicas report ready. The URL has no /v1."""
     import socket
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     process = subprocess.Popen([sys.executable, "-m", "scale", "--replicas", str(replicas), "--threads",
-                                str(threads), "--port", str(port)], cwd=PROJECT_DIR, env=dict(os.environ) | env,
+                                str(threads), "--port", str(port), *flags], cwd=root, env=dict(os.environ) | env,
                                stdout=open(log, "w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     headers = {"Authorization": f"Bearer {key}"} if key else {}

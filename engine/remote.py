@@ -27,7 +27,7 @@ from .errors import (
     VlscopeError,
 )
 from .inputs.video import request_videos
-from .records.metrics import current_rss
+from .records.metrics import RequestMetrics, current_rss
 from .request import TOOL_CHOICES, ChatRequest, TextChunk
 from .records.info import EngineInfo
 from .records.store import MetricsStore, open_store
@@ -100,6 +100,18 @@ class RemoteEngine(StreamingMixin):
         except httpx.HTTPError:
             return None
         return response.text if response.status_code == 200 else None
+
+    def cluster_records(self, since: float, limit: int) -> tuple[list[RequestMetrics], int] | None:
+        """A vlscope cluster's records of every replica (its front's /metrics/records), newest first, and how many
+        the window holds; None where the server keeps none to give."""
+        origin = self.base_url.removesuffix("/v1")
+        try:
+            response = self._client.get(f"{origin}/metrics/records", params={"since": since, "limit": limit},
+                                        timeout=10.0)
+            body = response.json() if response.status_code == 200 else None
+            return [RequestMetrics.from_dict(record) for record in body["records"]], int(body["total"])
+        except (httpx.HTTPError, ValueError, TypeError, KeyError):
+            return None
 
     def _headers(self) -> dict:
         return {"Authorization": f"Bearer {self.config.remote_api_key}"} if self.config.remote_api_key else {}

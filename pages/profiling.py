@@ -25,9 +25,12 @@ sources = controls[2].multiselect("Source", ["app", "api", "cli", "bench", "pyth
                                   placeholder="all sources")
 dtypes = controls[3].multiselect("Precision", [*DTYPES, "remote"], key="prof_dtype",
                                  placeholder="all precisions")
-switches = st.columns([1, 1, 4])
+switches = st.columns([1, 1, 1, 3])
 show_warmups = switches[0].toggle("Show warm-ups", value=False, key="prof_warmups")
 live = switches[1].toggle("Live", value=True, key="prof_live", help="Refresh every 2 seconds; off to pause.")
+whole_cluster = switches[2].toggle("Whole cluster", value=True, key="prof_cluster",
+                                   help="When this app fronts a vlscope cluster: every replica's records from the "
+                                        "cluster's store; off, this app's own records of its requests.")
 
 
 def read_ceiling() -> float | None:
@@ -39,16 +42,19 @@ def read_ceiling() -> float | None:
 @st.fragment(run_every=2 if live else None)
 def live_view() -> None:
     loaded = engine_slot().loaded
-    if loaded is not None and isinstance(loaded.engine, RemoteEngine):
-        render_replicas(loaded.engine.server_metrics())
+    remote = loaded.engine if loaded is not None and isinstance(loaded.engine, RemoteEngine) else None
+    cluster = remote is not None and render_replicas(remote.server_metrics())
     store = get_store()
     seconds = WINDOWS[window]
     # The newest rows only: a refresh every 2 s costs the same at a million stored records as at a thousand.
     since = time.time() - seconds if seconds else 0.0
-    records = store.between(since, limit=MAX_ROWS_READ)
+    served = remote.cluster_records(since, MAX_ROWS_READ) if cluster and whole_cluster else None
+    if cluster and whole_cluster:
+        st.subheader("Every request the cluster served" if served else "The cluster's records could not be read")
+    records, total = served or (store.between(since, limit=MAX_ROWS_READ), None)
     if len(records) == MAX_ROWS_READ:
-        st.caption(f"The newest {MAX_ROWS_READ:,} of {store.count_since(since):,} requests in this window are shown "
-                   "and exported.")
+        total = total if total is not None else store.count_since(since)
+        st.caption(f"The newest {MAX_ROWS_READ:,} of {total:,} requests in this window are shown and exported.")
     records = [r for r in records if r.status in statuses and (show_warmups or not r.warmup)
                and (not sources or r.source in sources) and (not dtypes or r.dtype in dtypes)]
     if store.last_error:
@@ -76,12 +82,12 @@ def live_view() -> None:
     shown = records[:60]  # the newest; older ones stay in the table and the CSV
     st.subheader("Where the time went, per request")
     st.plotly_chart(stage_bars(shown), key="chart_stages")
-    remote = [r for r in shown if server_stages(r)]
-    if remote:
+    reported = [r for r in shown if server_stages(r)]
+    if reported:
         st.subheader("As the remote server reports it")
         st.caption("Requests served by a remote backend: above, what this client measured (upload, first token, "
                    "decode); here, the server's own stage timings.")
-        st.plotly_chart(stage_bars(remote, stages_of=server_stages), key="chart_server_stages")
+        st.plotly_chart(stage_bars(reported, stages_of=server_stages), key="chart_server_stages")
     left, right = st.columns(2)
     with left:
         st.subheader("Memory (RSS) per request")

@@ -49,32 +49,59 @@ def replica_settings(args) -> dict[str, str]:
     return settings
 
 
-def start_ray(args) -> None:
-    """A one-node cluster of this process (it ends with it), every port on loopback; or the given cluster, with
-    this checkout shipped to it as the replicas' code."""
+def start_ray(args) -> str:
+    """A one-node cluster of this process (it ends with it), every port on loopback, whatever RAY_ADDRESS says; or
+    the cluster --address names, with this checkout shipped to it as the replicas' code. Returns the one line that
+    says which cluster this is."""
     if args.address is None:
-        # Without this Ray takes the machine's outward address as the node's, and its servers listen on it.
+        os.environ.pop("RAY_ADDRESS", None)
+        # Read when Ray is imported: without it Ray takes the machine's outward address as the node's, and its
+        # servers listen on it.
         os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
         # The replicas are this machine's processes, started by this one: they import this checkout.
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     import ray
     if args.address is None:
-        ray.init(include_dashboard=False, _metrics_export_port=args.metrics_export_port or None,
-                 configure_logging=False, log_to_driver=False)
-    else:
-        ray.init(address=args.address, runtime_env={"working_dir": str(ROOT), "excludes": [
-            ".git", "data", "bench-results", "docs", "*.png"]}, configure_logging=False)
+        context = ray.init(address="local", include_dashboard=False, configure_logging=False, log_to_driver=False,
+                           _metrics_export_port=args.metrics_export_port or None)
+        return (f"Ray cluster: a new one on this machine ({context.address_info['gcs_address']}), every port on "
+                "loopback; it stops with this command")
+    reachable(args.address)
+    ray.init(address=args.address, runtime_env={"working_dir": str(ROOT), "excludes": [
+        ".git", "data", "bench-results", "docs", "*.png"]}, configure_logging=False)
+    nodes = [node for node in ray.nodes() if node["Alive"]]
+    cpus = sum(node["Resources"].get("CPU", 0) for node in nodes)
+    return f"Ray cluster: joined {args.address} ({len(nodes)} nodes, {cpus:g} CPUs)"
+
+
+def reachable(address: str, timeout_s: float = 5.0) -> None:
+    """Exit with one line when nothing answers at a cluster's address, rather than wait on it."""
+    import socket
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s).close()
+    except (OSError, ValueError) as exc:
+        sys.exit(f"python -m scale: no Ray cluster answers at --address {address} ({exc}); start one with "
+                 "`ray start --head` there, or leave --address out to start one here")
 
 
 def main(argv=None) -> int:
     args = parse(argv)
     sys.path.insert(0, str(ROOT))
-    start_ray(args)
+    print(start_ray(args), flush=True)
+    import ray
     from ray import serve
 
+    from server.settings import load_settings
+
     from .app import APP_NAME, application
-    serve.start(http_options={"host": args.host, "port": args.port})
-    serve.run(application(replica_settings(args), args.replicas, args.threads, args.min_replicas,
+    from .records import start_records
+    settings = replica_settings(args)
+    records = start_records(load_settings(settings).engine)
+    print(f"Records of every replica: {ray.get(records.path.remote())} on the head node", flush=True)
+    # One HTTP entrance, on the head node beside the front: clients reach the cluster at the head's address.
+    serve.start(proxy_location="HeadOnly", http_options={"host": args.host, "port": args.port})
+    serve.run(application(settings, args.replicas, args.threads, args.min_replicas,
                           args.max_replicas), name=APP_NAME, route_prefix="/", blocking=False)
     print(f"vlscope on Ray Serve: http://{args.host}:{args.port} (OpenAI API at /v1, /health, /metrics); Ctrl-C stops",
           flush=True)

@@ -8,6 +8,7 @@ import os
 import socket
 import time
 
+import ray
 from ray import serve
 
 log = logging.getLogger("vlscope.scale")
@@ -55,18 +56,14 @@ class Replica:
     loaded, and its health check fails whenever the engine is not ready."""
 
     async def __init__(self, settings: dict[str, str], front_name: str):
-        from pathlib import Path
-
-        from engine.config import variable
-        from server.settings import load_settings
-
         from .ports import serve_grpc_on_node_address
+        from .records import ReplicaRecords, cluster_records
         serve_grpc_on_node_address()
         context = serve.get_replica_context()
         self.id = context.replica_id.unique_id
-        # Each replica keeps its requests' records in a store of its own, beside the one the settings name.
-        shared = Path(load_settings(settings).engine.db_path)
-        os.environ.update(settings, **{variable("db_path"): str(shared.with_name(f"{shared.stem}-{self.id}.db"))})
+        os.environ.update(settings)
+        from server.slot import use_store
+        use_store(ReplicaRecords(self.id, cluster_records()))
         from api.app import api_app
         from server.slot import engine_slot, ensure_loaded
 
@@ -78,6 +75,10 @@ class Replica:
         self.app = api_app()
         self.reporter = asyncio.create_task(self._report_forever())
         log.info("replica %s ready (pid %d)", self.id, os.getpid())
+
+    def __del__(self) -> None:
+        from .records import remove_scratch
+        remove_scratch(self.id)
 
     async def check_health(self) -> None:
         from server.slot import engine_slot
@@ -99,7 +100,8 @@ class Replica:
 
         from api.routes import health_state, metrics_text
         status, health = health_state()
-        return {"replica": self.id, "pid": os.getpid(), "node": socket.gethostname(), "status": status,
+        return {"replica": self.id, "pid": os.getpid(), "node": socket.gethostname(),
+                "node_id": ray.get_runtime_context().get_node_id(), "status": status,
                 "health": health, "metrics": metrics_text(), "rss_bytes": psutil.Process().memory_info().rss,
                 "started": self.started, "at": time.time()}
 

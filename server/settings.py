@@ -42,6 +42,13 @@ class ServerSettings:
     # enters the admin password. With sign-in off, everyone who reaches the app is an admin.
     admins: tuple[str, ...] = ()
     admin_password: str = ""
+    # A cluster (python -m scale): requests a conversation's replica may hold beyond the least-loaded replica's
+    # before the conversation's next request goes to another (which encodes its pictures again).
+    scale_balance_threshold: int = 2
+    # With --min-replicas/--max-replicas: how long the queue must stay above (below) its target before a replica
+    # is added (removed); Ray Serve's own defaults.
+    scale_upscale_delay_s: float = 30.0
+    scale_downscale_delay_s: float = 600.0
     # What the app loads when the configured hub model cannot be reached.
     fallback_model: str = str(SKELETON_DIR)
 
@@ -52,6 +59,10 @@ class ServerSettings:
             raise ValueError("api_body_seconds and api_header_seconds must be above 0")
         if self.sign_in_attempts < 1:
             raise ValueError("sign_in_attempts must be at least 1")
+        if self.scale_balance_threshold < 0:
+            raise ValueError("scale_balance_threshold must be >= 0")
+        if self.scale_upscale_delay_s < 0 or self.scale_downscale_delay_s < 0:
+            raise ValueError("scale_upscale_delay_s and scale_downscale_delay_s must be >= 0")
         if self.api_max_connections_per_address < 1:
             raise ValueError("api_max_connections_per_address must be at least 1")
 

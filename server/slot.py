@@ -90,15 +90,16 @@ def engine_slot() -> EngineSlot:
 
 def build_engine(config: EngineConfig, progress, fallback_model: str = str(SKELETON_DIR)) -> LoadedEngine:
     if config.remote_url:
-        return LoadedEngine(RemoteEngine(config, progress=progress), None)
+        return LoadedEngine(RemoteEngine(config, progress=progress, store=get_store(config)), None)
     try:
-        return LoadedEngine(Engine(config, progress=progress), None)
+        return LoadedEngine(Engine(config, progress=progress, store=get_store(config)), None)
     except ModelUnavailable as exc:
         # A hub id whose weights cannot be reached: start on the bundled skeleton and say so, rather than failing.
         # A local folder that is wrong is the operator's mistake to see and fix, so that error is shown instead.
         if Path(config.model).expanduser().exists() or not looks_like_hub_id(config.model):
             raise
-        return LoadedEngine(Engine(config.replace(model=fallback_model), progress=progress), exc.cause, config.model)
+        return LoadedEngine(Engine(config.replace(model=fallback_model), progress=progress, store=get_store(config)),
+                            exc.cause, config.model)
 
 
 def _release(slot: EngineSlot) -> None:
@@ -164,9 +165,17 @@ def apply_settings(config: EngineConfig) -> None:
 _stores: dict[str, MetricsStore] = {}
 
 
-def get_store() -> MetricsStore:
-    """The metrics database alone: the profiling page works even when the model failed to load."""
-    settings = current_settings()
+def use_store(store: MetricsStore) -> None:
+    """Records of the configured database go to `store` instead (a cluster's replica: scale/records.py)."""
+    path = current_settings().db_path
+    with _slot_lock:
+        _stores[path] = store
+
+
+def get_store(config: EngineConfig | None = None) -> MetricsStore:
+    """The metrics database the settings (or `config`) name, one for the process: the profiling page works even
+    when the model failed to load."""
+    settings = config or current_settings()
     with _slot_lock:
         if settings.db_path not in _stores:
             _stores[settings.db_path] = open_store(settings)

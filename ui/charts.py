@@ -133,6 +133,8 @@ def records_frame(records: list[RequestMetrics], every_column: bool = False) -> 
             "output tokens": r.output_tokens, "TTFT s": r.ttft_s, "tok/s": r.decode_tokens_per_s, "total s": r.e2e_s,
             "peak RSS GiB": r.rss_peak_bytes / GIB,
         }
+        if r.replica:  # a cluster's record: which replica served it
+            row["replica"] = r.replica
         if every_column:
             row.update({
                 "id": r.id[:8], "warmup": r.warmup, "threads": r.threads, "synthetic": r.synthetic,

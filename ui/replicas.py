@@ -36,14 +36,16 @@ def replica_rows(text: str) -> list[dict]:
     return [{"replica": replica, **row} for replica, row in rows.items()]
 
 
-def render_replicas(text: str | None) -> None:
-    """The table, when the server behind the remote backend is a cluster; nothing otherwise."""
+def render_replicas(text: str | None) -> bool:
+    """The table, when the server behind the remote backend is a cluster (then True); nothing otherwise."""
     rows = replica_rows(text) if text else []
     if not rows:
-        return
+        return False
     st.subheader(f"Replicas ({len(rows)})")
     st.caption("Each replica of the cluster this app fronts, from its metrics: mean seconds per stage over the "
-               "requests it served; each request's details stay in its replica's own store.")
+               "requests it served. Every request's record is in the cluster's one store: \"Whole cluster\" "
+               "below shows them.")
     st.dataframe(rows, hide_index=True, key="table_replicas",
                  column_config={"RSS GiB": st.column_config.NumberColumn(format="%.2f"),
                                 "decode tok/s": st.column_config.NumberColumn(format="%.1f")})
+    return True

@@ -66,6 +66,7 @@ class RequestMetrics:
     error: str | None = None
     server_metrics: dict | None = None  # a remote server's own timings, when it reports them
     pid: int = 0  # the serving process, to tell a dead server's unfinished records from a live one's
+    replica: str | None = None  # on a cluster (python -m scale), the replica that served it
     prompt: str | None = None  # only when storing content is on
     answer: str | None = None
 

@@ -20,6 +20,8 @@ QUEUE_WAIT = "queue_wait"  # not a stage of the record's `stages`: its own field
 
 # ok; cancelled (by the caller); error; refused (bad input, busy, too long or too big, before any model compute);
 # running: written when the worker starts, replaced when it ends; interrupted: a running record whose server
-# process died (found and relabelled at the next start).
+# process died (found and relabelled at the next start); replica_lost: a cluster replica's running record whose
+# replica died (relabelled by the cluster's front, scale/records.py).
 OK, CANCELLED, ERROR, REFUSED, RUNNING, INTERRUPTED = "ok", "cancelled", "error", "refused", "running", "interrupted"
-STATUSES = (OK, CANCELLED, ERROR, REFUSED, RUNNING, INTERRUPTED)
+REPLICA_LOST = "replica_lost"
+STATUSES = (OK, CANCELLED, ERROR, REFUSED, RUNNING, INTERRUPTED, REPLICA_LOST)

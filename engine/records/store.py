@@ -46,7 +46,7 @@ PRUNE_EVERY = 200  # records added between two background prunes
 CSV_COLUMNS = (
     "id", "status", "source", "warmup", "submitted_at", "model", "synthetic", "dtype", "threads", "kv_cache",
     "vision_tokens", "prompt_tokens", "output_tokens", "queue_wait_s", "ttft_s", "decode_tokens_per_s", "e2e_s",
-    "rss_before_bytes", "rss_peak_bytes", "rss_after_bytes", "weight_bytes", "error_type", "error",
+    "rss_before_bytes", "rss_peak_bytes", "rss_after_bytes", "weight_bytes", "error_type", "error", "replica",
 )
 
 
@@ -147,10 +147,14 @@ class MetricsStore:
 
     def mark_interrupted(self, alive: Callable[[int], bool]) -> int:
         """Relabel 'running' records whose serving process is gone: the server died mid-request."""
-        stale = [m for m in self._select("WHERE status = ?", (RUNNING,)) if m.pid != os.getpid() and not alive(m.pid)]
-        for record in stale:
-            self.add(dataclasses.replace(record, status=INTERRUPTED,
-                                         error="the server stopped before this request finished"))
+        return self.relabel_running(lambda m: m.pid != os.getpid() and not alive(m.pid), INTERRUPTED,
+                                    "the server stopped before this request finished")
+
+    def relabel_running(self, which: Callable[[RequestMetrics], bool], status: str, error: str) -> int:
+        """Give the 'running' records `which` picks a final status and error; returns how many."""
+        stale = [m for m in self._select("WHERE status = ?", (RUNNING,)) if which(m)]
+        if stale:
+            self.add_many([dataclasses.replace(record, status=status, error=error) for record in stale])
         return len(stale)
 
     def _select(self, where: str = "", params: tuple = (), limit: int | None = None) -> list[RequestMetrics]:
