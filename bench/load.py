@@ -157,9 +157,9 @@ def stream_one(base_url: str, model: str, image_url: str, max_tokens: int, key: 
 
 def burst(base_url: str, model: str, clients: int, max_tokens: int, images_dir: Path, key: str = "",
           answer: str = "free", session: str | None = None) -> BurstResult:
-    """`clients` streams at once, each about a picture of its own; with `session`, one person's: all about the
-    first picture, under one session header."""
-    urls = [picture_url(0 if session else index, images_dir) for index in range(clients)]
+    """`clients` streams at once, each about a picture of its own; with `session`, one person's: all about one
+    picture (one the burst without a session does not use), under one session header."""
+    urls = [picture_url(clients if session else index, images_dir) for index in range(clients)]
     start = threading.Event()
     results = [StreamResult() for _ in range(clients)]
     threads = [threading.Thread(target=stream_one, args=(base_url, model, url, max_tokens, key, start, result, answer,

@@ -36,7 +36,8 @@ RECORDS_LIMIT = 2_000  # records one /metrics/records answer holds
 
 
 class ReplicaSilent(Exception):
-    """The replica answering a request stopped reporting: its node is gone."""
+    """The replica answering a request is gone without Ray saying so: its stream ended before its last message, or
+    it stopped reporting (its node died or vanished)."""
 
 
 def _lost(error: Exception) -> ApiError:
@@ -112,7 +113,8 @@ class Front:
         status = "ready" if ready else "loading"
         if not authorized(Headers(scope=scope), self.server.api_keys):
             return JSONResponse({"status": status}, status_code=200 if ready else 503)
-        body = {"status": status, "front_node_id": self.node_id, "queue_depth": sum(snap["health"].get("queue_depth", 0) for snap in replicas),
+        body = {"status": status, "front_node_id": self.node_id,
+                "queue_depth": sum(snap["health"].get("queue_depth", 0) for snap in replicas),
                 "replicas": [{"replica": snap["replica"], "pid": snap["pid"], "node": snap["node"],
                               "node_id": snap["node_id"],
                               "status": snap["health"]["status"], "queue_depth": snap["health"].get("queue_depth", 0),
