@@ -163,12 +163,14 @@ def apply_settings(config: EngineConfig) -> None:
 
 
 _stores: dict[str, MetricsStore] = {}
+# Its own lock: the loader asks for the store while it holds the slot's, and shutdown takes _slot_lock before that.
+_stores_lock = threading.Lock()
 
 
 def use_store(store: MetricsStore) -> None:
     """Records of the configured database go to `store` instead (a cluster's replica: scale/records.py)."""
     path = current_settings().db_path
-    with _slot_lock:
+    with _stores_lock:
         _stores[path] = store
 
 
@@ -176,7 +178,7 @@ def get_store(config: EngineConfig | None = None) -> MetricsStore:
     """The metrics database the settings (or `config`) name, one for the process: the profiling page works even
     when the model failed to load."""
     settings = config or current_settings()
-    with _slot_lock:
+    with _stores_lock:
         if settings.db_path not in _stores:
             _stores[settings.db_path] = open_store(settings)
         return _stores[settings.db_path]

@@ -78,7 +78,7 @@ class GrammarTrials:
         if self._process is None or self._process.poll() is not None:
             # Started where `engine` imports from, whatever the caller's working directory.
             process = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE,
-                                       stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, preexec_fn=_worker_limits,
+                                       stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                        env=dict(os.environ, RAYON_NUM_THREADS="1"), cwd=PACKAGE_ROOT)
             try:
                 _send(process.stdin, self._setup)
@@ -155,6 +155,9 @@ def _try(tokenizer, grammar: str, limits: dict) -> dict:
 
 
 def main() -> None:
+    # Set here, not in a preexec_fn: code run between fork and exec in a threaded server can deadlock the child on a
+    # lock another thread held at the fork, and the server with it, waiting for the exec.
+    _worker_limits()
     import llguidance
 
     inbox, outbox = sys.stdin.buffer, sys.stdout.buffer
