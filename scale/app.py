@@ -17,9 +17,8 @@ SLACK = 8  # calls a replica takes beyond its engine's batch and queue, so Ray n
 # refuses those itself, with a 429 and Retry-After
 
 
-def capacity(settings: dict[str, str]) -> int:
-    """What one replica's engine takes at once: its batch plus its queue."""
-    engine = load_settings(settings).engine
+def capacity(engine) -> int:
+    """What one replica's engine (its EngineConfig) takes at once: its batch plus its queue."""
     return engine.max_batch + engine.max_queue
 
 
@@ -27,8 +26,8 @@ def application(settings: dict[str, str], replicas: int = 2, threads: int = 1, m
                 max_replicas: int | None = None):
     """`settings`: VLSCOPE_* variables for every replica and the front. With min and max replicas Ray scales
     between them on the requests each replica holds (half its capacity as the target)."""
-    room = capacity(settings)
-    server = load_settings(settings).server
+    loaded = load_settings(settings)
+    room, server = capacity(loaded.engine), loaded.server
     scaling = dict(num_replicas=replicas) if min_replicas is None else dict(autoscaling_config=AutoscalingConfig(
         min_replicas=min_replicas, max_replicas=max_replicas or min_replicas, target_ongoing_requests=max(1, room // 2),
         upscale_delay_s=server.scale_upscale_delay_s, downscale_delay_s=server.scale_downscale_delay_s,

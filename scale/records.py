@@ -12,7 +12,7 @@ import ray
 
 from engine.records.metrics import RequestMetrics
 from engine.records.stages import REPLICA_LOST, RUNNING
-from engine.records.store import MetricsStore
+from engine.records.store import MetricsStore, open_store
 
 log = logging.getLogger("vlscope.scale")
 ACTOR = "vlscope-records"
@@ -26,8 +26,8 @@ class ClusterRecords:
     """A Ray actor (made one in `start_records`): the cluster's MetricsStore, for replicas to write and the front
     and tools to read. Records travel as dicts (RequestMetrics.to_dict)."""
 
-    def __init__(self, db_path: str, keep_days: float = 0, max_rows: int = 0):
-        self.store = MetricsStore(db_path, keep_days=keep_days, max_rows=max_rows)
+    def __init__(self, engine_config):
+        self.store = open_store(engine_config)
 
     def path(self) -> str:
         return str(self.store.path.resolve())
@@ -51,8 +51,7 @@ def start_records(engine_config) -> ray.actor.ActorHandle:
     actor = ray.remote(ClusterRecords).options(
         name=ACTOR, namespace=NAMESPACE, num_cpus=0, max_restarts=-1, max_task_retries=-1,
         resources={HEAD_NODE: 0.001})
-    return actor.remote(str(Path(engine_config.db_path).resolve()), engine_config.records_keep_days,
-                        engine_config.records_max_rows)
+    return actor.remote(engine_config.replace(db_path=str(Path(engine_config.db_path).resolve())))
 
 
 def cluster_records() -> ray.actor.ActorHandle:
